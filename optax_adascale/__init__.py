@@ -13,6 +13,7 @@ from optax_adascale._adascale import replicate_buffers
 from optax_adascale._adascale import scale_invariant_steps
 from optax_adascale._adascale import state_axes
 from optax_adascale._adascale import state_partition_specs
+from optax_adascale._adascale import transfer_state
 from optax_adascale._collect import MicrobatchStats
 from optax_adascale._collect import value_and_microbatch_grad
 
@@ -29,5 +30,6 @@ __all__ = (
     "scale_invariant_steps",
     "state_axes",
     "state_partition_specs",
+    "transfer_state",
     "value_and_microbatch_grad",
 )

@@ -712,3 +712,50 @@ def replicate_buffers(opt_state: Any, num_replicas: int) -> Any:
         return s._replace(**{f: jax.tree.map(tile, getattr(s, f)) for f in _PER_REPLICA_FIELDS})
 
     return _map_states(opt_state, per_state, lambda x: x)
+
+
+def transfer_state(opt_state: Any, target: Any) -> Any:
+    """Carry AdaScale's statistics and the inner state from ``opt_state`` into ``target``.
+
+    For changing the configuration at an update boundary: a different
+    ``accumulation_steps``, a different number of replicas (elastic scaling),
+    or a checkpoint restored into a new transformation. ``target`` is a fresh
+    state of the new configuration (``new_tx.init(params)``, with
+    :func:`replicate_buffers` if needed); every field is copied from
+    ``opt_state`` except the accumulation buffers, which keep ``target``'s
+    (zero) values. The moving averages are in base-batch units, so they stay
+    valid at the new scale: no reset, no rescaling.
+
+    Raises:
+      ValueError: if ``opt_state`` is mid-accumulation (``micro_step > 0``),
+        which would drop gradients; finish the window first.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax_adascale
+      >>> params = jnp.zeros(2)
+      >>> old_tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=2)
+      >>> state = old_tx.init(params)
+      >>> for g in (jnp.array([1.0, 0.0]), jnp.array([0.0, 1.0])):
+      ...     _, state = old_tx.update(g, state, params)
+      >>> new_tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=4)
+      >>> new_state = optax_adascale.transfer_state(state, new_tx.init(params))
+      >>> optax_adascale.scale_invariant_steps(new_state)
+      Array(2., dtype=float32)
+    """
+    source = get_adascale_state(opt_state)
+    micro = np.asarray(jax.device_get(_value(source.micro_step)))
+    if np.any(micro != 0):
+        raise ValueError(
+            f"opt_state is mid-accumulation (micro_step={micro.tolist()}): transfer_state works at "
+            "an update boundary; run the remaining calls of the window first."
+        )
+
+    def per_state(s: AdaScaleState) -> AdaScaleState:
+        fields = source._asdict()
+        for f in _PER_REPLICA_FIELDS:
+            fields[f] = getattr(s, f)
+        if jax.tree.structure(fields["inner_state"]) != jax.tree.structure(s.inner_state):
+            raise ValueError("the inner transformations of opt_state and target differ in structure")
+        return AdaScaleState(**fields)
+
+    return _map_states(target, per_state, lambda x: x)
