@@ -295,7 +295,7 @@ def adascale(
         zeros = lambda dtype=jnp.float32: jnp.zeros([], dtype)  # noqa: E731 - fresh buffer per field
         acc_grads = acc_sq = None
         if k_acc > 1:
-            acc_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, _collect.stat_dtype(p.dtype)), params)
+            acc_grads = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_collect.stat_dtype(p.dtype)), params)
             acc_sq = jnp.zeros((groups.size,), jnp.float32)
         return AdaScaleState(
             count=zeros(jnp.int32),
@@ -382,7 +382,7 @@ def adascale(
         out_types = jax.eval_shape(reduce_branch, acc, acc_sq, state)
 
         def accumulate_branch(acc, acc_sq, state):
-            zero_updates = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
+            zero_updates = jax.tree.map(_collect.fresh_zeros, grads)
             new_state = state._replace(micro_step=state.micro_step + 1, acc_grads=acc, acc_sq_norm=acc_sq)
             return _collect.match_varying((zero_updates, new_state), out_types)
 

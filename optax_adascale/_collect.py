@@ -110,9 +110,14 @@ def match_varying(x: Any, like: Any) -> Any:
     return jax.tree.map(cast, x, like)
 
 
+def fresh_zeros(x: Any) -> Array:
+    """Zeros with ``x``'s shape, dtype and sharding, but not its varying type (a new, replica-invariant value)."""
+    return jnp.zeros(x.shape, x.dtype, out_sharding=jax.typeof(x).sharding)
+
+
 def stat_dtype(dtype: Any) -> Any:
     """Dtype statistics are computed in: float32, or wider if the input is wider."""
-    return jnp.promote_types(dtype, STAT_DTYPE)
+    return jnp.dtype(dtype) if jnp.finfo(dtype).bits > 32 else jnp.dtype(STAT_DTYPE)
 
 
 def leaf_sq_norm(x: Array) -> Array:

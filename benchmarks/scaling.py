@@ -1,0 +1,703 @@
+"""AdaScale vs. fixed scaling rules: a miniature of the paper's Table 2 and Figures 1-3.
+
+Three small tasks (``scaling_tasks.py``), each with one base batch size ``B``,
+one base-batch budget ``T`` and one simple schedule tuned once at ``S = 1``.
+At each scale ``S ∈ {1, 2, …, 64}`` (``S`` replicas of batch ``B``, a
+``jax.vmap`` axis) three methods train from the same initialisation on the same
+stream of batches:
+
+* ``AS``: ``optax_adascale.adascale_sgd(lr, momentum)`` until ``τ ≥ T``;
+* ``LSW+``: ``optax.sgd(momentum)`` with linear scaling and warm-up stretched to
+  AdaScale's iteration count at that scale and seed
+  (``scaling_rules.stretched_linear_warmup``);
+* ``LSW``: ``optax.sgd(momentum)`` with linear scaling and warm-up over
+  ``T/S`` iterations (``scaling_rules.linear_warmup``).
+
+Gradients are averaged over the replicas with ``lax.pmean`` (inside AdaScale's
+update for AS). A whole run is one jitted program: a ``lax.scan`` over
+evaluation checkpoints, each a ``lax.while_loop`` of training steps. Each cell
+(task, method, S, seed) is cached as JSON under ``benchmarks/.cache/scaling/``
+so the grid resumes where it stopped; ``--smoke`` runs a tiny grid uncached.
+
+Usage::
+
+    python benchmarks/scaling.py                         # the full grid, tables, plots
+    python benchmarks/scaling.py --tasks digits --scales 1 2 4   # one chunk
+    python benchmarks/scaling.py --smoke --out /tmp/scaling      # < 60 s, every code path
+    python benchmarks/scaling.py --tune                  # the S = 1 learning-rate sweep
+
+Outputs: ``benchmarks/RESULTS_scaling.md`` and ``benchmarks/plots/scaling_*.png``
+(or under ``--out``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import operator  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import scaling_tasks  # noqa: E402
+
+import optax_adascale  # noqa: E402
+from optax_adascale import scaling_rules  # noqa: E402
+
+AXIS = "replicas"
+METHODS = ("AS", "LSW+", "LSW")
+SCALES = (1, 2, 4, 8, 16, 32, 64)
+NUM_EVALS = 16  # evaluation checkpoints per run (plus the initial one)
+OFFLINE_BATCHES = 1000  # fresh base batches per checkpoint for the offline gain (paper Fig. 2)
+OFFLINE_TASK = "mnist1d"
+ELASTIC_PHASES = ((2, 0.25), (4, 0.5), (8, 1.0))  # (S, until τ = fraction·T)
+LOG_POINTS = 400  # per-iteration logs are thinned to about this many points in the cache
+
+HERE = Path(__file__).resolve().parent
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+def build_optimizer(task, method, scale, num_iterations):
+    """``(tx, lr_fn)``; ``lr_fn`` is the scaling rule's schedule (``None`` for AdaScale)."""
+    base = task.schedule()
+    if method == "AS":
+        return optax_adascale.adascale_sgd(base, momentum=task.momentum, axis_name=AXIS), None
+    if method == "LSW":
+        lr = scaling_rules.linear_warmup(base, scale, task.total_steps)
+    elif method == "LSW+":
+        lr = scaling_rules.stretched_linear_warmup(base, scale, task.total_steps, num_iterations)
+    else:
+        raise ValueError(f"unknown method={method!r}")
+    return optax.sgd(lr, momentum=task.momentum), lr
+
+
+def num_iterations_for(task, method, scale, as_iterations=None):
+    """Iterations a fixed rule runs for: ``⌈T/S⌉`` (LSW) or AdaScale's count (LSW+)."""
+    if method == "LSW":
+        return math.ceil(task.total_steps / scale)
+    if method == "LSW+":
+        return int(as_iterations)
+    return task.total_steps  # AS: an upper bound (gain ≥ 1), the stop is τ ≥ T
+
+
+@functools.cache
+def compiled_phase(task, method, scale, log_size, num_evals):
+    """A jitted run from a given state through ``num_evals`` checkpoints.
+
+    The returned function takes ``(params, opt_state, it0, key, targets,
+    num_iterations)``. ``targets`` are int32 progress marks: ``⌊τ⌋`` for AS,
+    iterations for the fixed rules; after reaching each it evaluates. Batches
+    are drawn from ``fold_in(key, iteration)``, so a run continued in several
+    phases (the elastic run) sees the same stream as one run.
+    """
+
+    def run(params, opt_state, it0, key, targets, num_iterations):
+        tx, lr_fn = build_optimizer(task, method, scale, num_iterations)
+        steps_per_iteration = jnp.float32(task.total_steps) / jnp.asarray(num_iterations, jnp.float32)
+
+        def replica_step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(task.loss)(params, batch)
+            if method != "AS":
+                grads = lax.pmean(grads, AXIS)  # plain data-parallel SGD; AdaScale reduces inside
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return lax.pmean(loss, AXIS), updates, opt_state
+
+        step = jax.vmap(replica_step, in_axes=(None, None, 0), out_axes=None, axis_name=AXIS)
+
+        def progress(opt_state, it):
+            if method == "AS":
+                return optax_adascale.get_adascale_state(opt_state).tau_whole
+            return it
+
+        def body(carry):
+            params, opt_state, it, logs = carry
+            batch = task.sample(jax.random.fold_in(key, it), scale)
+            if task.moments is not None:
+                sigma2, mu2 = task.moments(params)
+                true_gain = (sigma2 + mu2) / (sigma2 / scale + mu2)
+            else:
+                true_gain = jnp.float32(jnp.nan)
+            loss, updates, opt_state = step(params, opt_state, batch)
+            params = optax.apply_updates(params, updates)
+            if method == "AS":
+                m = optax_adascale.metrics(opt_state)
+                lr, gain = m["learning_rate"], m["gain"]
+            else:
+                lr, gain = lr_fn(it), jnp.float32(jnp.nan)
+            i = it - it0
+            new = {"lr": lr, "gain": gain, "true_gain": true_gain, "loss": loss}
+            logs = {k: logs[k].at[i].set(jnp.asarray(v, jnp.float32)) for k, v in new.items()}
+            return params, opt_state, it + 1, logs
+
+        def segment(carry, target):
+            def cond(c):
+                return (progress(c[1], c[2]) < target) & (c[2] - it0 < log_size)
+
+            carry = lax.while_loop(cond, body, carry)
+            params, opt_state, it, _ = carry
+            if method == "AS":
+                tau = optax_adascale.scale_invariant_steps(opt_state)
+            else:
+                tau = it.astype(jnp.float32) * steps_per_iteration
+            record = {"tau": tau, "it": it, **task.evaluate(params)}
+            return carry, (record, params)
+
+        logs = {k: jnp.full((log_size,), jnp.nan, jnp.float32) for k in ("lr", "gain", "true_gain", "loss")}
+        carry = (params, opt_state, jnp.asarray(it0, jnp.int32), logs)
+        (params, opt_state, it, logs), (evals, snapshots) = lax.scan(segment, carry, targets)
+        return params, opt_state, it, evals, snapshots, logs
+
+    return jax.jit(run)
+
+
+@functools.cache
+def compiled_offline_moments(task, num_batches):
+    """``(snapshots, key) -> (σ², μ²)`` per snapshot from ``num_batches`` fresh base batches (paper Fig. 2)."""
+
+    def moments(params, key):
+        batches = task.sample(key, num_batches)
+        grads = jax.vmap(jax.grad(task.loss), in_axes=(None, 0))(params, batches)
+        flat = jnp.concatenate([g.reshape(num_batches, -1) for g in jax.tree.leaves(grads)], axis=1)
+        mean = flat.mean(0)
+        sigma2 = jnp.sum((flat - mean) ** 2) / (num_batches - 1)
+        mu2 = jnp.sum(mean**2) - sigma2 / num_batches
+        return sigma2, mu2
+
+    def run(snapshots, key):
+        keys = jax.random.split(key, jax.tree.leaves(snapshots)[0].shape[0])
+        return lax.map(lambda a: moments(*a), (snapshots, keys))
+
+    return jax.jit(run)
+
+
+# --------------------------------------------------------------------------- one cell
+
+
+def _thin(n, points=LOG_POINTS):
+    """Indices of about ``points`` iterations out of ``n``, denser at the start (log-spaced then linear)."""
+    if n <= points:
+        return np.arange(n)
+    idx = np.unique(
+        np.concatenate([np.geomspace(1, n, points // 2).astype(int) - 1, np.linspace(0, n - 1, points // 2)])
+    )
+    return idx.astype(int)
+
+
+def _tolist(x):
+    return [float(v) for v in np.asarray(x, np.float64)]
+
+
+def _phases(task, method, scale, as_iterations, num_evals):
+    """``[(scale, targets, num_iterations)]`` for a plain run, or the elastic schedule."""
+    T = task.total_steps
+    if method == "elastic":
+        marks = [round(k * T / num_evals) for k in range(1, num_evals + 1)]
+        phases, lo = [], 0
+        for s, frac in ELASTIC_PHASES:
+            hi = round(frac * T)
+            phases.append((s, [m for m in marks if lo < m <= hi], T))
+            lo = hi
+        return phases
+    n = num_iterations_for(task, method, scale, as_iterations)
+    if method == "AS":
+        targets = [round(k * T / num_evals) for k in range(1, num_evals + 1)]
+    else:
+        targets = [math.ceil(k * n / num_evals) for k in range(1, num_evals + 1)]
+    return [(scale, targets, n)]
+
+
+def run_cell(task, method, scale, seed, *, as_iterations=None, num_evals=NUM_EVALS, offline_batches=0):
+    """Train one cell; return a JSON-able record.
+
+    ``method`` is ``"AS"``, ``"LSW+"`` (needs ``as_iterations``), ``"LSW"`` or
+    ``"elastic"`` (AdaScale with ``S`` changing as in ``ELASTIC_PHASES``: the
+    optimizer state carries over unchanged, only the vmap axis grows).
+    """
+    start = time.perf_counter()
+    k_init, k_data, k_offline = jax.random.split(jax.random.key(seed), 3)
+    params = task.init(k_init)
+    opt_method = "AS" if method == "elastic" else method
+    phases = _phases(task, method, scale, as_iterations, num_evals)
+    tx, _ = build_optimizer(task, opt_method, phases[0][0], phases[0][2])
+    opt_state = tx.init(params)
+    it = 0
+    first = jax.jit(task.evaluate)(params)
+    evals = [{"tau": 0.0, "it": 0, "scale": phases[0][0], **{k: float(v) for k, v in first.items()}}]
+    logs = {k: [] for k in ("it", "lr", "gain", "true_gain", "loss")}
+    snapshots = []
+    for s, targets, n in phases:
+        fn = compiled_phase(task, opt_method, s, task.total_steps, num_evals)
+        padded = np.asarray(targets + [targets[-1]] * (num_evals - len(targets)), np.int32)
+        params, opt_state, it_end, ev, snaps, lg = fn(params, opt_state, it, k_data, padded, n)
+        it_end = int(it_end)
+        ev = jax.device_get(ev)
+        for j in range(len(targets)):
+            evals.append({k: float(ev[k][j]) for k in ev} | {"scale": s})
+        snapshots.append(jax.tree.map(operator.itemgetter(slice(0, len(targets))), snaps))
+        count = it_end - it
+        logs["it"].extend(range(it, it_end))
+        for k in ("lr", "gain", "true_gain", "loss"):
+            logs[k].extend(np.asarray(lg[k][:count]).tolist())
+        it = it_end
+    snapshots = jax.tree.map(lambda *xs: jnp.concatenate(xs), *snapshots)
+    last = evals[-1]
+    keep = _thin(len(logs["it"]))
+    record = {
+        "task": task.name,
+        "method": method,
+        "scale": scale,
+        "seed": seed,
+        "config": task.config(),
+        "as_iterations": as_iterations,
+        "iterations": it,
+        "tau": last["tau"],
+        "final": {k: last[k] for k in ("metric", "train_loss", "val_loss")},
+        "curve": {k: [e[k] for e in evals] for k in evals[0]},
+        "logs": {k: [logs[k][i] for i in keep] for k in logs},
+    }
+    if offline_batches:
+        sig, mu = compiled_offline_moments(task, offline_batches)(snapshots, k_offline)
+        record["offline"] = {"tau": record["curve"]["tau"][1:], "sigma2": _tolist(sig), "mu2": _tolist(mu)}
+    record["wall_s"] = time.perf_counter() - start
+    return record
+
+
+# --------------------------------------------------------------------------- the grid
+
+
+class Cache:
+    """One JSON file per cell; ``None`` directory means no caching (smoke)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+
+    def path(self, task, method, scale, seed):
+        tag = "elastic" if method == "elastic" else f"{method.replace('+', 'plus')}_S{scale}"
+        return self.directory / f"{task.name}_{tag}_seed{seed}.json"
+
+    def get(self, task, method, scale, seed):
+        if self.directory is None:
+            return None
+        path = self.path(task, method, scale, seed)
+        if not path.exists():
+            return None
+        record = json.loads(path.read_text())
+        return record if record.get("config") == json.loads(json.dumps(task.config())) else None
+
+    def put(self, record, task):
+        if self.directory is None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(task, record["method"], record["scale"], record["seed"])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)
+
+
+def run_grid(tasks, scales, seeds, cache, *, num_evals, offline_batches, elastic=True, log=print):
+    """All cells (cached ones are loaded); returns ``{(task, method, S, seed): record}``."""
+    results = {}
+
+    def cell(task, method, scale, seed, **kw):
+        record = cache.get(task, method, scale, seed)
+        if record is None:
+            record = run_cell(task, method, scale, seed, num_evals=num_evals, **kw)
+            cache.put(record, task)
+            log(
+                f"  {task.name:10s} {method:7s} S={scale:<3d} seed={seed}  iters={record['iterations']:5d}  "
+                f"{task.metric}={record['final']['metric']:.4g}  train loss={record['final']['train_loss']:.4g}"
+                f"  ({record['wall_s']:.1f} s)"
+            )
+        results[(task.name, method, scale, seed)] = record
+        return record
+
+    for task in tasks:
+        for scale in scales:
+            for seed in seeds:
+                off = offline_batches if (task.name == OFFLINE_TASK and seed == seeds[0]) else 0
+                as_record = cell(task, "AS", scale, seed, offline_batches=off)
+                cell(task, "LSW+", scale, seed, as_iterations=as_record["iterations"])
+                cell(task, "LSW", scale, seed)
+        if elastic:
+            for seed in seeds:
+                cell(task, "elastic", ELASTIC_PHASES[-1][0], seed)
+    return results
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _stats(values):
+    arr = np.asarray(values, np.float64)
+    return float(np.mean(arr)), float(np.std(arr, ddof=1)) if len(arr) > 1 else 0.0, len(arr)
+
+
+def is_worse(task, base_values, values):
+    """Significantly worse than ``S = 1``: beyond 2 standard errors of the difference *and* the task's tolerance."""
+    if not np.all(np.isfinite(values)):
+        return True
+    m0, s0, n0 = _stats(base_values)
+    m, s, n = _stats(values)
+    diff = (m0 - m) if task.higher_is_better else (m - m0)
+    tol = task.tolerance if task.higher_is_better else task.tolerance * abs(m0)
+    return diff > max(2.0 * math.sqrt(s0**2 / n0 + s**2 / n), tol)
+
+
+def _fmt(mean, std, digits):
+    if not math.isfinite(mean):
+        return "diverged"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _fmt_sci(mean, std):
+    if not math.isfinite(mean):
+        return "diverged"
+    return f"{mean:.3g} ± {std:.2g}"
+
+
+def table(task, results, scales, seeds):
+    """Markdown table in the layout of the paper's Table 2."""
+    head = "| S |" + "".join(f" {m} {task.metric} | {m} train loss | {m} iters |" for m in METHODS)
+    lines = [head, "|---:|" + "---:|---:|---:|" * len(METHODS)]
+    fmt = (lambda m, s: _fmt(m, s, 2)) if task.higher_is_better else _fmt_sci
+    for scale in scales:
+        row = f"| {scale} |"
+        for method in METHODS:
+            recs = [results.get((task.name, method, scale, seed)) for seed in seeds]
+            if any(r is None for r in recs):
+                row += " — | — | — |"
+                continue
+            metric = [r["final"]["metric"] for r in recs]
+            loss = [r["final"]["train_loss"] for r in recs]
+            if not np.all(np.isfinite(loss)):
+                metric = [float("nan")]
+            base = [results[(task.name, method, scales[0], seed)]["final"]["metric"] for seed in seeds]
+            flag = " ✗" if scale != scales[0] and is_worse(task, base, metric) else ""
+            iters = _stats([r["iterations"] for r in recs])[0]
+            row += f" {fmt(*_stats(metric)[:2])}{flag} | {_fmt_sci(*_stats(loss)[:2])} | {iters:.0f} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def elastic_table(tasks, results, seeds):
+    lines = [
+        "| task | run | " + "metric | train loss | iters | τ at end |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for task in tasks:
+        fmt = (lambda m, s: _fmt(m, s, 2)) if task.higher_is_better else _fmt_sci
+        for label, method, scale in (("AS, S = 2", "AS", 2), ("AS, S = 2→4→8", "elastic", 8), ("AS, S = 8", "AS", 8)):
+            recs = [results.get((task.name, method, scale, seed)) for seed in seeds]
+            if any(r is None for r in recs):
+                continue
+            metric = _stats([r["final"]["metric"] for r in recs])
+            loss = _stats([r["final"]["train_loss"] for r in recs])
+            iters = _stats([r["iterations"] for r in recs])[0]
+            tau = _stats([r["tau"] for r in recs])[0]
+            lines.append(
+                f"| {task.name} ({task.metric}) | {label} | {fmt(*metric[:2])} | {_fmt_sci(*loss[:2])} | "
+                f"{iters:.0f} | {tau:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def gain_error_table(tasks, results, scales, seed):
+    """Online gain vs the closed form (regression) and vs the offline estimate (classification)."""
+    lines = ["| task | reference | " + " | ".join(f"S={s}" for s in scales) + " |", "|---|---|" + "---:|" * len(scales)]
+    for task in tasks:
+        row_true, row_off = [], []
+        for s in scales:
+            r = results.get((task.name, "AS", s, seed))
+            if r is None:
+                row_true.append("—")
+                row_off.append("—")
+                continue
+            lg = r["logs"]
+            it = np.asarray(lg["it"])
+            gain, true = np.asarray(lg["gain"]), np.asarray(lg["true_gain"])
+            late = it >= 0.1 * r["iterations"]
+            if task.moments is not None:
+                row_true.append(f"{np.mean(np.abs(gain[late] - true[late]) / true[late]):.1%}")
+            if "offline" in r:
+                off = offline_gain(r, s)
+                online = np.interp(r["offline"]["tau"], _log_tau(r), gain)
+                row_off.append(f"{np.mean(np.abs(online - off) / off):.1%}")
+            else:
+                row_off.append("—")
+        if task.moments is not None:
+            lines.append(
+                f"| {task.name} | closed form, mean abs. rel. error (after 10 % of iters) | {' | '.join(row_true)} |"
+            )
+        if any(x != "—" for x in row_off) and row_off:
+            lines.append(f"| {task.name} | offline 1000-batch estimate, mean abs. rel. error | {' | '.join(row_off)} |")
+    return "\n".join(lines)
+
+
+def offline_gain(record, scale):
+    sig = np.asarray(record["offline"]["sigma2"])
+    mu = np.maximum(np.asarray(record["offline"]["mu2"]), 0.0)
+    return (sig + mu) / (sig / scale + mu)
+
+
+def _log_tau(record):
+    """τ at each logged iteration, interpolated from the evaluation checkpoints (τ is monotone in it)."""
+    curve = record["curve"]
+    return np.interp(record["logs"]["it"], curve["it"], curve["tau"])
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _mean_curve(results, task, method, scale, seeds, key="metric"):
+    recs = [results[(task.name, method, scale, s)] for s in seeds if (task.name, method, scale, s) in results]
+    if not recs:
+        return None, None
+    n = min(len(r["curve"]["tau"]) for r in recs)
+    tau = np.mean([r["curve"]["tau"][:n] for r in recs], axis=0)
+    val = np.mean([r["curve"][key][:n] for r in recs], axis=0)
+    return tau, val
+
+
+def make_plots(tasks, results, scales, seeds, plot_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(scales)))
+    paths = []
+
+    # Fig. 1 / 3: validation metric vs τ, AdaScale (top) and LSW (bottom).
+    fig, axes = plt.subplots(2, len(tasks), figsize=(4.5 * len(tasks), 7), squeeze=False)
+    for j, task in enumerate(tasks):
+        for row, method in enumerate(("AS", "LSW")):
+            ax = axes[row, j]
+            for c, s in zip(colors, scales, strict=True):
+                tau, val = _mean_curve(results, task, method, s, seeds)
+                if tau is not None:
+                    ax.plot(tau, val, color=c, label=f"S={s}")
+            ax.set_title(f"{task.title}: {method}")
+            ax.set_xlabel("τ (base-batch steps)" if method == "AS" else "S·t (base-batch steps)")
+            ax.set_ylabel(task.metric)
+            if not task.higher_is_better:
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(bottom=max(0.0, ax.get_ylim()[0]))
+        axes[0, j].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(_save(fig, plot_dir / "scaling_curves.png", plt))
+
+    # Effective learning rate vs iteration: AdaScale's warm-up emerges.
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
+    for j, task in enumerate(tasks):
+        ax = axes[0, j]
+        for c, s in zip(colors, scales, strict=True):
+            r = results.get((task.name, "AS", s, seeds[0]))
+            if r is not None:
+                ax.plot(np.asarray(r["logs"]["it"]) + 1, r["logs"]["lr"], color=c, label=f"AS S={s}")
+        r = results.get((task.name, "LSW", scales[-1], seeds[0]))
+        if r is not None:
+            ax.plot(np.asarray(r["logs"]["it"]) + 1, r["logs"]["lr"], "k--", lw=1, label=f"LSW S={scales[-1]}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("effective learning rate r_t·lr(⌊τ_t⌋)")
+        ax.set_title(task.title)
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(_save(fig, plot_dir / "scaling_lr.png", plt))
+
+    # Gain: online vs closed form (regression) and vs offline estimate (classification).
+    show = [s for s in scales if s in (4, 16, 64)] or [scales[-1]]
+    reg = [t for t in tasks if t.moments is not None]
+    off = [t for t in tasks if any("offline" in results.get((t.name, "AS", s, seeds[0]), {}) for s in scales)]
+    panels = reg + off
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+        for j, task in enumerate(panels):
+            ax = axes[0, j]
+            for c, s in zip(plt.cm.plasma(np.linspace(0, 0.8, len(show))), show, strict=True):
+                r = results.get((task.name, "AS", s, seeds[0]))
+                if r is None:
+                    continue
+                tau = _log_tau(r)
+                ax.plot(tau, r["logs"]["gain"], color=c, lw=1, label=f"online, S={s}")
+                if task.moments is not None:
+                    ax.plot(tau, r["logs"]["true_gain"], color=c, ls="--", lw=1.5, label=f"closed form, S={s}")
+                if "offline" in r:
+                    ax.plot(r["offline"]["tau"], offline_gain(r, s), "o", color=c, ms=4, label=f"offline, S={s}")
+            ax.set_yscale("log")
+            ax.set_xlabel("τ (base-batch steps)")
+            ax.set_ylabel("gain r_t")
+            ax.set_title(f"{task.title}: gain")
+            ax.legend(fontsize=6)
+        fig.tight_layout()
+        paths.append(_save(fig, plot_dir / "scaling_gain.png", plt))
+
+    # Elastic: S = 2 → 4 → 8 at τ = T/4, T/2.
+    el = [t for t in tasks if (t.name, "elastic", ELASTIC_PHASES[-1][0], seeds[0]) in results]
+    if el:
+        fig, axes = plt.subplots(2, len(el), figsize=(4.5 * len(el), 6.5), squeeze=False)
+        for j, task in enumerate(el):
+            ax = axes[0, j]
+            for label, method, s, style in (
+                ("S=2", "AS", 2, ":"),
+                ("S=8", "AS", 8, "--"),
+                ("S=2→4→8", "elastic", 8, "-"),
+            ):
+                tau, val = _mean_curve(results, task, method, s, seeds)
+                if tau is not None:
+                    ax.plot(tau, val, style, label=label)
+            for _, frac in ELASTIC_PHASES[:-1]:
+                ax.axvline(frac * task.total_steps, color="grey", lw=0.5)
+            ax.set_title(f"{task.title}: elastic AdaScale")
+            ax.set_xlabel("τ")
+            ax.set_ylabel(task.metric)
+            if not task.higher_is_better:
+                ax.set_yscale("log")
+            ax.legend(fontsize=7)
+            ax = axes[1, j]
+            r = results[(task.name, "elastic", ELASTIC_PHASES[-1][0], seeds[0])]
+            ax.plot(_log_tau(r), r["logs"]["gain"], lw=1, label="gain r_t")
+            scale_at = np.asarray([_elastic_scale(t, task) for t in _log_tau(r)])
+            ax.plot(_log_tau(r), scale_at, "k--", lw=1, label="S")
+            ax.set_xlabel("τ")
+            ax.set_ylabel("gain")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(_save(fig, plot_dir / "scaling_elastic.png", plt))
+    return paths
+
+
+def _elastic_scale(tau, task):
+    for s, frac in ELASTIC_PHASES:
+        if tau < frac * task.total_steps:
+            return s
+    return ELASTIC_PHASES[-1][0]
+
+
+def _save(fig, path, plt):
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- report
+
+
+def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_s):
+    rel = lambda p: os.path.relpath(p, path.parent)  # noqa: E731
+    out = [
+        "# AdaScale vs. linear scaling with warm-up: results",
+        "",
+        f"Command: `{command}` ({len(seeds)} seeds; cells are cached, this invocation took {wall_s:.0f} s).",
+        "",
+        "Setup per task (base batch B per replica, budget T base-batch steps, schedule tuned once at S = 1):",
+        "",
+        "| task | model | B | T | schedule | momentum |",
+        "|---|---|---:|---:|---|---:|",
+    ]
+    for t in tasks:
+        sched = f"lr {t.learning_rate:g}, " + ("×0.1 at T/2 and 3T/4" if t.decay == "step" else "×0.01^(t/T)")
+        model = t.config().get("sizes", f"linear, d = {t.config().get('dim')}")
+        out.append(f"| {t.name} | {model} | {t.batch_size} | {t.total_steps} | {sched} | {t.momentum} |")
+    out += [
+        "",
+        "Mean ± std over seeds of the final validation metric and full-data training loss; iterations are means. "
+        "✗: significantly worse than S = 1 (worse by more than 2 standard errors of the difference and more than "
+        "1 accuracy point / 10 % excess risk).",
+    ]
+    for t in tasks:
+        out += ["", f"### {t.title} ({t.metric})", "", table(t, results, scales, seeds)]
+    out += ["", "### Elastic AdaScale: S = 2 → 4 → 8 at τ = T/4 and T/2", "", elastic_table(tasks, results, seeds)]
+    out += ["", "### Gain estimates (seed 0)", "", gain_error_table(tasks, results, scales, seeds[0])]
+    out += ["", "### Plots", ""] + [f"- `{rel(p)}`" for p in plot_paths]
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------- tuning
+
+
+def tune(tasks, rates, seeds, log=print):
+    """The S = 1 learning-rate sweep (AdaScale at S = 1 is plain momentum SGD on ``lr(t)``)."""
+    import dataclasses
+
+    for task in tasks:
+        for lr in rates:
+            t = dataclasses.replace(task, learning_rate=lr)
+            finals = [run_cell(t, "AS", 1, seed)["final"] for seed in seeds]
+            m = np.mean([f["metric"] for f in finals])
+            loss = np.mean([f["train_loss"] for f in finals])
+            log(f"{task.name:10s} lr={lr:<6g} {task.metric}={m:.4g}  train loss={loss:.4g}")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny grid, no cache, every code path")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: benchmarks/)")
+    parser.add_argument("--tasks", nargs="+", default=None, choices=("mnist1d", "digits", "regression"))
+    parser.add_argument("--scales", nargs="+", type=int, default=None)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--no-report", action="store_true", help="run cells only (for chunks)")
+    parser.add_argument("--tune", action="store_true", help="S = 1 learning-rate sweep")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    out = args.out or HERE
+    if args.smoke:
+        cache = Cache(None)
+        scales, seeds, num_evals, offline = (1, 8), [0], 4, 50
+    else:
+        cache = Cache(out / ".cache" / "scaling")
+        scales, seeds, num_evals, offline = SCALES, list(range(args.seeds)), NUM_EVALS, OFFLINE_BATCHES
+    scales = tuple(args.scales) if args.scales else scales
+    data_cache = None if args.smoke else HERE / ".cache" / "scaling"
+    all_tasks = scaling_tasks.make_tasks(smoke=args.smoke, cache_dir=data_cache)
+    tasks = [all_tasks[n] for n in (args.tasks or all_tasks)]
+
+    if args.tune:
+        tune(tasks, (0.01, 0.02, 0.05, 0.1, 0.2), seeds)
+        return 0
+
+    results = run_grid(tasks, scales, seeds, cache, num_evals=num_evals, offline_batches=offline)
+    if args.no_report:
+        return 0
+    plot_paths = make_plots(tasks, results, scales, seeds, out / "plots")
+    command = "python benchmarks/scaling.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    report = write_report(
+        out / "RESULTS_scaling.md",
+        tasks,
+        results,
+        scales,
+        seeds,
+        plot_paths,
+        command.strip(),
+        time.perf_counter() - start,
+    )
+    print(f"wrote {report} and {len(plot_paths)} plots in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Worker for ``test_multihost.py``: AdaScale on a data-parallel mesh that may span processes.
+
+One process of a multi-process run (what the test launches twice)::
+
+    python tests/multihost_worker.py --out p0.npz --coordinator 127.0.0.1:PORT \
+        --num-processes 2 --process-id 0 --local-devices 4
+
+Without ``--coordinator`` it trains in a single process. The test imports :func:`train`
+to compute the single-process reference in its own (8-device) process.
+
+Every process builds the same global batches from a fixed seed and hands each device
+its rows with ``jax.make_array_from_callback``, so device ``i`` of the mesh sees the
+same data in every layout; only the all-reduce order can differ between layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_adascale
+
+AXIS = "data"
+IN_DIM, HIDDEN = 8, 16
+PER_DEVICE_BATCH = 4
+NUM_CALLS = 10
+ACCUMULATION_STEPS = (1, 2)
+
+
+def loss_fn(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    pred = h @ params["w2"] + params["b2"]
+    return 0.5 * jnp.mean((pred[:, 0] - y) ** 2)
+
+
+def init_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (rng.normal(size=(IN_DIM, HIDDEN)) / np.sqrt(IN_DIM)).astype(np.float32),
+        "b1": np.zeros(HIDDEN, np.float32),
+        "w2": (rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN)).astype(np.float32),
+        "b2": np.zeros(1, np.float32),
+    }
+
+
+def global_batch(call: int, num_replicas: int) -> tuple[np.ndarray, np.ndarray]:
+    """The whole batch of call ``call``: rows ``i·B … (i+1)·B − 1`` belong to replica ``i``."""
+    rng = np.random.default_rng(1000 + call)
+    x = rng.normal(size=(num_replicas * PER_DEVICE_BATCH, IN_DIM)).astype(np.float32)
+    y = (np.sin(x[:, 0]) + 0.5 * x[:, 1] + 0.3 * rng.normal(size=x.shape[0])).astype(np.float32)
+    return x, y
+
+
+def _global_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a value every process knows in full; each device takes its slice."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """A replicated global array as numpy (its local copy: works when it spans processes)."""
+    return np.asarray(x.addressable_data(0))
+
+
+def train(mesh: jax.sharding.Mesh, accumulation_steps: int, num_calls: int = NUM_CALLS) -> dict[str, np.ndarray]:
+    """``num_calls`` AdaScale calls under ``jax.shard_map`` over ``mesh``'s ``"data"`` axis.
+
+    Returns numpy arrays: per-call ``gain``, ``tau`` and ``loss``, and the final
+    parameters as ``param_<name>``.
+    """
+    n = mesh.shape[AXIS]
+    schedule = optax.exponential_decay(0.05, transition_steps=5, decay_rate=0.8, staircase=True)
+    tx = optax_adascale.adascale_sgd(schedule, momentum=0.9, axis_name=AXIS, accumulation_steps=accumulation_steps)
+    replicated = NamedSharding(mesh, P())
+    rows = NamedSharding(mesh, P(AXIS))
+    params = {k: _global_array(v, replicated) for k, v in init_params().items()}
+
+    init = lambda p: optax_adascale.replicate_buffers(tx.init(p), n)  # noqa: E731
+    specs = optax_adascale.state_partition_specs(jax.eval_shape(init, params), AXIS)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    opt_state = jax.jit(init, out_shardings=shardings)(params)
+
+    def local_step(params, opt_state, x, y):
+        # Mark the replicated params varying so that jax.grad returns this replica's gradient.
+        local = jax.lax.pcast(params, AXIS, to="varying")
+        loss, grads = jax.value_and_grad(loss_fn)(local, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        m = optax_adascale.metrics(opt_state)
+        stats = {"gain": m["gain"], "tau": m["scale_invariant_steps"], "loss": jax.lax.pmean(loss, AXIS)}
+        return optax.apply_updates(params, updates), opt_state, stats
+
+    step = jax.jit(
+        jax.shard_map(
+            local_step,
+            mesh=mesh,
+            in_specs=(P(), specs, P(AXIS), P(AXIS)),
+            out_specs=(P(), specs, P()),
+        ),
+        donate_argnums=(0, 1),
+    )
+
+    history: dict[str, list[np.ndarray]] = {"gain": [], "tau": [], "loss": []}
+    for call in range(num_calls):
+        x, y = global_batch(call, n)
+        params, opt_state, stats = step(params, opt_state, _global_array(x, rows), _global_array(y, rows))
+        for key, value in stats.items():
+            history[key].append(_fetch(value))
+    out = {key: np.stack(values) for key, values in history.items()}
+    out.update({f"param_{k}": _fetch(v) for k, v in params.items()})
+    return out
+
+
+def train_all(mesh: jax.sharding.Mesh) -> dict[str, np.ndarray]:
+    """:func:`train` for every accumulation setting, keys prefixed ``k<steps>_``."""
+    out = {}
+    for k in ACCUMULATION_STEPS:
+        out.update({f"k{k}_{key}": value for key, value in train(mesh, k).items()})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="where to write this process's results (.npz)")
+    parser.add_argument("--coordinator", help="HOST:PORT of process 0; omit for a single process")
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--local-devices", type=int, default=8, help="CPU devices in this process")
+    args = parser.parse_args()
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.local_devices)
+    if args.coordinator:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            initialization_timeout=60,
+        )
+    mesh = jax.make_mesh((jax.device_count(),), (AXIS,))
+    results = train_all(mesh)
+    results["process_index"] = np.asarray(jax.process_index())
+    results["process_count"] = np.asarray(jax.process_count())
+    results["device_count"] = np.asarray(jax.device_count())
+    tmp = f"{args.out}.tmp.npz"
+    np.savez(tmp, **results)
+    os.replace(tmp, args.out)
+    if args.coordinator:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

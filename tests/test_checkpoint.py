@@ -1,0 +1,347 @@
+"""Checkpointing with Orbax, configuration changes and elastic scaling.
+
+* A checkpoint taken mid-accumulation (per-replica buffers included) resumes
+  bit-identically to a run that never stopped.
+* ``transfer_state`` moves a restored state to a different ``accumulation_steps``.
+* The state accessors read a checkpoint restored without a target.
+* Elastic scaling: train at 8 replicas, resume at 4 or 16; the moving averages
+  carry over, and the first resumed gain is the one the formula predicts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_adascale
+from optax_adascale import AdaScaleState
+
+AXIS = "data"
+DIM = 6
+BATCH = 4  # rows per replica and call
+MODES = ("none", "vmap", "shard_map")
+SCHEDULE = optax.exponential_decay(0.05, transition_steps=4, decay_rate=0.7, staircase=True)
+
+
+def loss_fn(params, x, y):
+    return 0.5 * jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def init_params() -> dict[str, jax.Array]:
+    return {"w": jnp.zeros(DIM, jnp.float32), "b": jnp.zeros([], jnp.float32)}
+
+
+def batch(call: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Call ``call``'s data for ``n`` replicas: ``(n, BATCH, DIM)`` and ``(n, BATCH)``."""
+    rng = np.random.default_rng(call)
+    x = rng.normal(size=(n, BATCH, DIM)).astype(np.float32)
+    y = (x @ np.linspace(-1.0, 1.0, DIM) + 0.5 * rng.normal(size=(n, BATCH))).astype(np.float32)
+    return x, y
+
+
+def make_tx(n_replicas: int, accumulation_steps: int = 1):
+    axis = None if n_replicas == 1 else AXIS
+    return optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, axis_name=axis, accumulation_steps=accumulation_steps)
+
+
+class Replicas:
+    """``n`` data-parallel replicas as a vmap axis, a shard_map axis over ``n`` devices, or none (``n = 1``)."""
+
+    def __init__(self, mode: str, n: int, tx: optax.GradientTransformation):
+        assert (mode == "none") == (n == 1)
+        self.mode, self.n, self.tx = mode, n, tx
+        template = jax.eval_shape(self._fresh_state, init_params())
+        self.mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (AXIS,)) if mode == "shard_map" else None
+        if self.mesh is not None:
+            specs = optax_adascale.state_partition_specs(template, AXIS)
+            self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+            self.replicated = NamedSharding(self.mesh, P())
+
+        def local(params, opt_state, x, y):
+            p = jax.lax.pcast(params, AXIS, to="varying") if mode == "shard_map" else params
+            grads = jax.grad(loss_fn)(p, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        if mode == "none":
+            self._step = jax.jit(local)
+        elif mode == "vmap":
+            axes = optax_adascale.state_axes(template)
+            self._step = jax.jit(jax.vmap(local, in_axes=(None, axes, 0, 0), out_axes=(None, axes), axis_name=AXIS))
+        else:
+            specs = optax_adascale.state_partition_specs(template, AXIS)
+            self._step = jax.jit(
+                jax.shard_map(local, mesh=self.mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs))
+            )
+
+    def _fresh_state(self, params):
+        state = self.tx.init(params)
+        return state if self.mode == "none" else optax_adascale.replicate_buffers(state, self.n)
+
+    def place(self, params, opt_state):
+        """Put params and state where this layout's step expects them."""
+        if self.mesh is None:
+            return jax.device_put(params, jax.devices()[0]), jax.device_put(opt_state, jax.devices()[0])
+        return jax.device_put(params, self.replicated), jax.device_put(opt_state, self.state_shardings)
+
+    def init(self, params):
+        """A fresh state of this layout (also the restore target)."""
+        return self.place(params, jax.jit(self._fresh_state)(params))
+
+    def step(self, params, opt_state, call: int):
+        x, y = batch(call, self.n)
+        if self.mode == "none":
+            x, y = x[0], y[0]
+        elif self.mode == "shard_map":
+            rows = NamedSharding(self.mesh, P(AXIS))
+            x = jax.device_put(x.reshape(-1, DIM), rows)
+            y = jax.device_put(y.reshape(-1), rows)
+        return self._step(params, opt_state, x, y)
+
+    def run(self, params, opt_state, calls: range):
+        gains = []
+        for call in calls:
+            params, opt_state = self.step(params, opt_state, call)
+            gains.append(optax_adascale.get_adascale_state(opt_state).gain)
+        return params, opt_state, np.asarray(gains)
+
+
+def save(path, tree) -> None:
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, tree)
+        checkpointer.wait_until_finished()
+
+
+def restore(path, target: Any = None) -> Any:
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(path) if target is None else checkpointer.restore(path, target)
+
+
+def assert_trees_equal(actual, expected) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+def n_replicas(mode: str) -> int:
+    return {"none": 1, "vmap": 4, "shard_map": 8}[mode]
+
+
+# --------------------------------------------------------------------------- (a) mid-accumulation
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_mid_accumulation_resumes_bit_identically(tmp_path, mode):
+    n, k = n_replicas(mode), 4
+    replicas = Replicas(mode, n, make_tx(n, accumulation_steps=k))
+    params, opt_state = replicas.init(init_params())
+
+    # Uninterrupted: 3 updates of 4 calls each.
+    ref_params, ref_state, ref_gains = replicas.run(params, opt_state, range(12))
+
+    # Interrupted after 6 calls: one update applied, two calls sitting in the buffers.
+    mid_params, mid_state, gains_before = replicas.run(params, opt_state, range(6))
+    mid = optax_adascale.get_adascale_state(mid_state)
+    assert int(mid.count) == 1 and int(mid.micro_step) == 2
+    assert mid.acc_grads["w"].shape == ((DIM,) if mode == "none" else (n, DIM))
+    assert np.all(np.abs(np.asarray(mid.acc_sq_norm)) > 0)
+    save(tmp_path / "ckpt", {"params": mid_params, "opt_state": mid_state})
+
+    target_params, target_state = replicas.init(init_params())
+    restored = restore(tmp_path / "ckpt", {"params": target_params, "opt_state": target_state})
+    assert isinstance(restored["opt_state"], AdaScaleState)
+    assert_trees_equal(restored, {"params": mid_params, "opt_state": mid_state})
+    if mode == "shard_map":
+        buffers = restored["opt_state"].acc_grads["w"]
+        assert buffers.sharding.is_equivalent_to(replicas.state_shardings.acc_grads["w"], buffers.ndim)
+
+    new_params, new_state, gains_after = replicas.run(restored["params"], restored["opt_state"], range(6, 12))
+    assert_trees_equal(new_params, ref_params)
+    assert_trees_equal(new_state, ref_state)
+    np.testing.assert_array_equal(np.concatenate([gains_before, gains_after]), ref_gains)
+    assert int(optax_adascale.get_adascale_state(new_state).count) == 3
+
+
+# --------------------------------------------------------------------------- (b) a new accumulation_steps
+
+_STATISTICS = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "ema_weight", "inner_state")
+
+
+def test_transfer_state_to_new_accumulation_steps_after_restore(tmp_path):
+    n, old_k, new_k = 4, 4, 2
+    old = Replicas("vmap", n, make_tx(n, accumulation_steps=old_k))
+    params, opt_state = old.init(init_params())
+    params, opt_state, _ = old.run(params, opt_state, range(2 * old_k))  # two updates: a boundary
+    save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
+
+    # Restore with the configuration that wrote the checkpoint, then move to the new one.
+    restored = restore(tmp_path / "ckpt", dict(zip(("params", "opt_state"), old.init(init_params()), strict=True)))
+    new = Replicas("vmap", n, make_tx(n, accumulation_steps=new_k))
+    _, template = new.init(restored["params"])
+    moved = optax_adascale.transfer_state(restored["opt_state"], template)
+    source, state = optax_adascale.get_adascale_state(restored["opt_state"]), optax_adascale.get_adascale_state(moved)
+    for field in _STATISTICS:
+        assert_trees_equal(getattr(state, field), getattr(source, field))
+    assert int(state.micro_step) == 0
+    assert state.acc_grads["w"].shape == (n, DIM) and not np.any(np.asarray(state.acc_grads["w"]))
+    params_new, state_new, gains = new.run(restored["params"], moved, range(100, 100 + 2 * new_k))
+    assert int(optax_adascale.get_adascale_state(state_new).count) == 4
+
+    # Independent reference: 4 replicas × 2 calls is n = 8 samples per update, i.e. 8 vmap
+    # replicas with no accumulation, whose state is the old statistics without buffers.
+    flat = Replicas("vmap", n * new_k, make_tx(n * new_k))
+    ref_state = flat.tx.init(restored["params"])._replace(**{f: getattr(source, f) for f in _STATISTICS})
+    ref_params = restored["params"]
+    for update in range(2):
+        micro = [batch(100 + update * new_k + j, n) for j in range(new_k)]  # replica r, call j -> sample j·n + r
+        x = np.concatenate([xb for xb, _ in micro])
+        y = np.concatenate([yb for _, yb in micro])
+        ref_params, ref_state = flat._step(ref_params, ref_state, x, y)
+    ref = optax_adascale.get_adascale_state(ref_state)
+    final = optax_adascale.get_adascale_state(state_new)
+    np.testing.assert_allclose(gains[new_k - 1 :: new_k][-1], ref.gain, rtol=1e-5)
+    for field in ("gain", "tau_frac", "grad_sqr", "grad_var", "ema_weight"):
+        np.testing.assert_allclose(getattr(final, field), getattr(ref, field), rtol=1e-5, err_msg=field)
+    assert int(final.tau_whole) == int(ref.tau_whole)
+    for a, b in zip(jax.tree.leaves(params_new), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_transfer_state_refuses_a_restored_mid_accumulation_state(tmp_path):
+    old = Replicas("vmap", 4, make_tx(4, accumulation_steps=4))
+    params, opt_state = old.init(init_params())
+    params, opt_state, _ = old.run(params, opt_state, range(5))
+    save(tmp_path / "ckpt", {"opt_state": opt_state})
+    restored = restore(tmp_path / "ckpt", {"opt_state": old.init(init_params())[1]})
+    _, template = Replicas("vmap", 4, make_tx(4, accumulation_steps=2)).init(params)
+    with pytest.raises(ValueError, match="mid-accumulation"):
+        optax_adascale.transfer_state(restored["opt_state"], template)
+
+
+# --------------------------------------------------------------------------- (c) restored without a target
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: make_tx(4, accumulation_steps=2), id="accumulation"),
+        pytest.param(
+            lambda: optax.chain(
+                optax.clip_by_global_norm(10.0),
+                optax_adascale.adascale_sgd(
+                    0.05, momentum=0.9, axis_name=AXIS, param_labels={"w": "weights", "b": "bias"}
+                ),
+            ),
+            id="chain-labels",
+        ),
+        pytest.param(
+            lambda: optax.inject_hyperparams(
+                optax_adascale.adascale_sgd, static_args=("axis_name", "accumulation_steps")
+            )(learning_rate=0.05, momentum=0.9, axis_name=AXIS),
+            id="inject_hyperparams",
+        ),
+    ],
+)
+def test_accessors_read_a_checkpoint_restored_without_target(tmp_path, make):
+    replicas = Replicas("vmap", 4, make())
+    params, opt_state = replicas.init(init_params())
+    params, opt_state, _ = replicas.run(params, opt_state, range(5))
+    save(tmp_path / "ckpt", {"opt_state": opt_state})
+    raw = restore(tmp_path / "ckpt")["opt_state"]
+    assert not isinstance(raw, AdaScaleState)  # plain dicts and lists
+
+    restored = optax_adascale.get_adascale_state(raw)
+    original = optax_adascale.get_adascale_state(opt_state)
+    for field in AdaScaleState._fields:  # the containers are plain (inner_state: lists, dicts), the leaves equal
+        for a, b in zip(
+            jax.tree.leaves(getattr(restored, field)), jax.tree.leaves(getattr(original, field)), strict=True
+        ):
+            np.testing.assert_array_equal(a, b, err_msg=field)
+    expected = optax_adascale.metrics(opt_state)
+    actual = optax_adascale.metrics(raw)
+    assert actual.keys() == expected.keys()
+    assert_trees_equal(actual, expected)
+    assert float(actual["gain"]) > 1
+    np.testing.assert_array_equal(
+        optax_adascale.scale_invariant_steps(raw), optax_adascale.scale_invariant_steps(opt_state)
+    )
+
+
+# --------------------------------------------------------------------------- (d) elastic scaling
+
+
+def _grads_per_replica(params, call: int, n: int) -> np.ndarray:
+    """Each replica's gradient on call ``call``, flattened, float64: ``(n, DIM + 1)``."""
+    x, y = batch(call, n)
+    grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(params, x, y)
+    return np.concatenate([np.asarray(grads["w"], np.float64), np.asarray(grads["b"], np.float64)[:, None]], axis=1)
+
+
+def _expected_gain(prev: AdaScaleState, grads: np.ndarray) -> dict[str, float]:
+    """AdaScale's update of the carried moving averages by this step's moments, in float64."""
+    n = S = grads.shape[0]
+    a = np.mean(np.sum(grads**2, axis=1))
+    b = np.sum(np.mean(grads, axis=0) ** 2)
+    var = S / (n - 1) * (a - b)
+    sqr = b - var / S
+    var, sqr = max(var, 1e-6), max(sqr, 0.0)
+    theta = max(1 - n / 1000, 0.0)
+    w_prev = float(prev.ema_weight)
+    w = theta * w_prev + (1 - theta)
+    grad_var = (theta * w_prev * float(prev.grad_var) + (1 - theta) * var) / w
+    grad_sqr = (theta * w_prev * float(prev.grad_sqr) + (1 - theta) * sqr) / w
+    gain = float(np.clip((grad_var + grad_sqr) / (grad_var / S + grad_sqr), 1.0, S))
+    return {"gain": gain, "grad_var": grad_var, "grad_sqr": grad_sqr, "ema_weight": w}
+
+
+@pytest.fixture(scope="module")
+def trained_at_8(tmp_path_factory):
+    """Five updates at 8 replicas (shard_map over 8 devices), checkpointed."""
+    replicas = Replicas("shard_map", 8, make_tx(8))
+    params, opt_state = replicas.init(init_params())
+    params, opt_state, gains = replicas.run(params, opt_state, range(5))
+    path = tmp_path_factory.mktemp("elastic") / "ckpt"
+    save(path, {"params": params, "opt_state": opt_state})
+    return path, params, opt_state
+
+
+@pytest.mark.parametrize(("mode", "n"), [("shard_map", 4), ("vmap", 16)])
+def test_elastic_resume_carries_statistics_and_matches_in_process_rescale(trained_at_8, mode, n):
+    path, params_8, state_8 = trained_at_8
+    before = optax_adascale.get_adascale_state(state_8)
+    assert int(before.count) == 5 and float(before.scale) == 8
+
+    # Resume from the checkpoint at the new replica count: the new configuration's fresh state is the target.
+    replicas = Replicas(mode, n, make_tx(n))
+    restored = restore(path, dict(zip(("params", "opt_state"), replicas.init(init_params()), strict=True)))
+    resumed = optax_adascale.get_adascale_state(restored["opt_state"])
+    for field in _STATISTICS:  # no reset
+        assert_trees_equal(getattr(resumed, field), getattr(before, field))
+    if mode == "shard_map":
+        assert len(restored["params"]["w"].sharding.device_set) == n
+    call = 100
+    params_r, state_r = replicas.step(restored["params"], restored["opt_state"], call)
+
+    # The run that never stopped: rebuild the transformation for n replicas and keep the opt_state.
+    params_k, state_k = replicas.place(params_8, state_8)
+    params_k, state_k = replicas.step(params_k, state_k, call)
+    assert_trees_equal(params_r, params_k)
+    assert_trees_equal(state_r, state_k)
+
+    # The formula: the carried moving averages updated by this step's moments at S = n.
+    after = optax_adascale.get_adascale_state(state_r)
+    expected = _expected_gain(before, _grads_per_replica(jax.device_get(params_8), call, n))
+    for field, value in expected.items():
+        np.testing.assert_allclose(float(getattr(after, field)), value, rtol=1e-5, err_msg=field)
+    assert 1 < float(after.gain) <= n and float(after.scale) == n
+    assert int(after.count) == 6
+    tau_before = float(optax_adascale.scale_invariant_steps(state_8))
+    np.testing.assert_allclose(float(optax_adascale.scale_invariant_steps(state_r)), tau_before + float(after.gain))

@@ -1,0 +1,328 @@
+"""One mechanism, every way JAX runs data parallelism: the same samples give the same training.
+
+Each update averages the same n = 8 micro-batches of 4 rows, collected as 8 replicas
+(vmap, pmap, shard_map, GSPMD), as 8 accumulated calls, as 8 micro-batches within one
+step, or as mixtures (4 replicas × 2 calls, 4 replicas × 2 micro-batches, a 2 × 4 mesh
+with a tuple axis name). All must agree with the vmap run over 20 updates.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_adascale
+from optax_adascale import _hlo
+
+N, ROWS, STEPS, DIM, CLASSES = 8, 4, 20, 6, 3
+SCHEDULE = optax.exponential_decay(0.3, transition_steps=10, decay_rate=0.5)
+
+
+def init_params():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {
+        "hidden": {"w": jax.random.normal(k1, (DIM, 16)) * 0.5, "b": jnp.zeros(16)},
+        "out": {"w": jax.random.normal(k2, (16, CLASSES)) * 0.5, "b": jnp.zeros(CLASSES)},
+    }
+
+
+def loss_fn(params, x, y):
+    h = jnp.tanh(x @ params["hidden"]["w"] + params["hidden"]["b"])
+    logits = h @ params["out"]["w"] + params["out"]["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+@functools.cache
+def data():
+    """(STEPS, N, ROWS, ...) micro-batches: update t, sample i."""
+    kx, ky = jax.random.split(jax.random.PRNGKey(1))
+    x = jax.random.normal(kx, (STEPS, N, ROWS, DIM))
+    y = jax.random.randint(ky, (STEPS, N, ROWS), 0, CLASSES)
+    return np.asarray(x), np.asarray(y)
+
+
+def make_tx(**kw):
+    return optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, **kw)
+
+
+def record(params, state, log):
+    m = optax_adascale.metrics(state)
+    log.append((float(m["gain"]), float(m["scale_invariant_steps"])))
+
+
+def run_vmap():
+    tx = make_tx(axis_name="i")
+    params, log = init_params(), []
+    state = tx.init(params)
+
+    def step(params, state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.vmap(step, in_axes=(None, None, 0, 0), out_axes=(None, None), axis_name="i"))
+    for x, y in zip(*data()):
+        params, state = step(params, state, x, y)
+        record(params, state, log)
+    return params, log
+
+
+def run_pmap():
+    tx = make_tx(axis_name="i")
+    params, log = init_params(), []
+    state = tx.init(params)
+
+    def step(params, state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.pmap(step, axis_name="i", in_axes=(None, None, 0, 0), out_axes=(None, None))
+    for x, y in zip(*data()):
+        params, state = step(params, state, x, y)
+        record(params, state, log)
+    return params, log
+
+
+def shard_map_run(mesh, axis, tx, *, pcast=True, check_vma=True, micro=1, state=None):
+    """Replicas on ``mesh`` over ``axis``; each replica gets ``micro`` consecutive micro-batches per call."""
+    params, log = init_params(), []
+    state = tx.init(params) if state is None else state
+    specs = optax_adascale.state_partition_specs(state, axis)
+
+    def step(params, state, x, y):
+        p = jax.lax.pcast(params, axis, to="varying") if pcast else params
+        if micro == 1:
+            grads = jax.grad(loss_fn)(p, x[0], y[0])
+            updates, state = tx.update(grads, state, params)
+        else:
+            grad_fn = optax_adascale.value_and_microbatch_grad(loss_fn, micro)
+            _, grads, stats = grad_fn(p, x.reshape(-1, DIM), y.reshape(-1))
+            updates, state = tx.update(grads, state, params, microbatch_stats=stats)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), specs, P(axis), P(axis)), out_specs=(P(), specs), check_vma=check_vma
+        )
+    )
+    return params, state, step, log
+
+
+def run_shard_map(pcast=True, check_vma=True):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+    params, state, step, log = shard_map_run(mesh, "i", make_tx(axis_name="i"), pcast=pcast, check_vma=check_vma)
+    for x, y in zip(*data()):
+        params, state = step(params, state, x, y)
+        record(params, state, log)
+    return params, log
+
+
+def run_shard_map_explicit_mesh():
+    mesh = jax.make_mesh((N,), ("i",))
+    params, state, step, log = shard_map_run(mesh, "i", make_tx(axis_name="i"))
+    sharding = NamedSharding(mesh, P("i"))
+    for x, y in zip(*data()):
+        params, state = step(params, state, jax.device_put(x, sharding), jax.device_put(y, sharding))
+        record(params, state, log)
+    return params, log
+
+
+def run_shard_map_2d_mesh():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("hosts", "devices"))
+    axis = ("hosts", "devices")
+    params, state, step, log = shard_map_run(mesh, axis, make_tx(axis_name=axis))
+    for x, y in zip(*data()):
+        params, state = step(params, state, x, y)
+        record(params, state, log)
+    return params, log
+
+
+def run_gspmd():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+    tx = make_tx(axis_name="i")
+    params, log = init_params(), []
+    state = tx.init(params)
+
+    def step(params, state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.vmap(step, in_axes=(None, None, 0, 0), out_axes=(None, None), axis_name="i"))
+    sharding = NamedSharding(mesh, P("i"))
+    for x, y in zip(*data()):
+        params, state = step(params, state, jax.device_put(x, sharding), jax.device_put(y, sharding))
+        record(params, state, log)
+    return params, log
+
+
+def run_accumulation():
+    tx = make_tx(accumulation_steps=N)
+    params, log = init_params(), []
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for xs, ys in zip(*data()):
+        for x, y in zip(xs, ys):
+            params, state = step(params, state, x, y)
+        record(params, state, log)
+    return params, log
+
+
+def run_within_step():
+    tx = make_tx()
+    params, log = init_params(), []
+    state = tx.init(params)
+    grad_fn = optax_adascale.value_and_microbatch_grad(loss_fn, N)
+
+    @jax.jit
+    def step(params, state, x, y):
+        _, grads, stats = grad_fn(params, x.reshape(-1, DIM), y.reshape(-1))
+        updates, state = tx.update(grads, state, params, microbatch_stats=stats)
+        return optax.apply_updates(params, updates), state
+
+    for x, y in zip(*data()):
+        params, state = step(params, state, x, y)
+        record(params, state, log)
+    return params, log
+
+
+def run_shard_map_times_accumulation():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("i",))
+    tx = make_tx(axis_name="i", accumulation_steps=2)
+    state = optax_adascale.replicate_buffers(tx.init(init_params()), 4)
+    params, state, step, log = shard_map_run(mesh, "i", tx, state=state)
+    for x, y in zip(*data()):
+        for call in range(2):  # replica r gets micro-batch 2r + call
+            params, state = step(params, state, x[call::2], y[call::2])
+        record(params, state, log)
+    return params, log
+
+
+def run_vmap_times_accumulation():
+    tx = make_tx(axis_name="i", accumulation_steps=2)
+    params, log = init_params(), []
+    state = optax_adascale.replicate_buffers(tx.init(params), 4)
+    axes = optax_adascale.state_axes(state)
+
+    def step(params, state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.vmap(step, in_axes=(None, axes, 0, 0), out_axes=(None, axes), axis_name="i"))
+    for x, y in zip(*data()):
+        for call in range(2):
+            params, state = step(params, state, x[call::2], y[call::2])
+        record(params, state, log)
+    return params, log
+
+
+def run_shard_map_times_microbatches():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("i",))
+    params, state, step, log = shard_map_run(mesh, "i", make_tx(axis_name="i"), micro=2)
+    for x, y in zip(*data()):
+        params, state = step(params, state, x, y)  # replica r gets micro-batches 2r, 2r + 1
+        record(params, state, log)
+    return params, log
+
+
+PATHS = {
+    "pmap": run_pmap,
+    "shard_map": run_shard_map,
+    "shard_map explicit mesh": run_shard_map_explicit_mesh,
+    "shard_map check_vma=False without pcast": functools.partial(run_shard_map, pcast=False, check_vma=False),
+    "shard_map 2x4 mesh, tuple axis": run_shard_map_2d_mesh,
+    "gspmd (jit + sharded vmap axis)": run_gspmd,
+    "accumulation_steps=8": run_accumulation,
+    "within-step 8 microbatches": run_within_step,
+    "shard_map 4 x accumulation 2": run_shard_map_times_accumulation,
+    "vmap 4 x accumulation 2": run_vmap_times_accumulation,
+    "shard_map 4 x 2 microbatches": run_shard_map_times_microbatches,
+}
+
+
+@functools.cache
+def reference():
+    return run_vmap()
+
+
+@pytest.mark.parametrize("path", PATHS.values(), ids=PATHS.keys())
+def test_every_parallel_path_matches_vmap(path):
+    ref_params, ref_log = reference()
+    params, log = path()
+    np.testing.assert_allclose(np.array(log), np.array(ref_log), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    gains = np.array(ref_log)[:, 0]
+    assert 1.0 < gains.min() and gains.max() <= N  # the comparison is not degenerate
+
+
+def test_reference_gain_changes_over_training():
+    gains = np.array(reference()[1])[:, 0]
+    assert gains.max() - gains.min() > 0.1
+
+
+def test_summed_gradients_under_shard_map_are_detected():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+    params, state, step, _ = shard_map_run(mesh, "i", make_tx(axis_name="i"), pcast=False)
+    x, y = data()
+    with pytest.raises(ValueError, match=r"pcast\(params, 'i', to='varying'\)"):
+        step(params, state, x[0], y[0])
+
+
+def test_unbound_axis_name_is_reported():
+    tx = make_tx(axis_name="batch")
+    params = init_params()
+    grads = jax.grad(loss_fn)(params, data()[0][0, 0], data()[1][0, 0])
+    with pytest.raises(ValueError, match="axis_name='batch'"):
+        tx.update(grads, tx.init(params), params)
+
+
+def sgd_pmean_step(axis):
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def step(params, state, x, y):
+        grads = jax.lax.pmean(jax.grad(loss_fn)(jax.lax.pcast(params, axis, to="varying"), x[0], y[0]), axis)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return tx, step
+
+
+def test_one_all_reduce_like_sgd_with_pmean():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+    params, state, step, _ = shard_map_run(mesh, "i", make_tx(axis_name="i"))
+    x, y = data()
+    ours = _hlo.compiled_text(step, params, state, x[0], y[0])
+
+    tx, base = sgd_pmean_step("i")
+    base = jax.jit(jax.shard_map(base, mesh=mesh, in_specs=(P(), P(), P("i"), P("i")), out_specs=(P(), P())))
+    baseline = _hlo.compiled_text(base, params, tx.init(params), x[0], y[0])
+
+    assert _hlo.count(ours, "all-reduce") == _hlo.count(baseline, "all-reduce") == 1
+    assert _hlo.count_collectives(ours) == _hlo.count_collectives(baseline)
+    assert _hlo.count_host_callbacks(ours) == 0
+
+
+def test_accumulation_only_calls_execute_no_all_reduce():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("i",))
+    tx = make_tx(axis_name="i", accumulation_steps=2)
+    state = optax_adascale.replicate_buffers(tx.init(init_params()), 4)
+    params, state, step, _ = shard_map_run(mesh, "i", tx, state=state)
+    x, y = data()
+    text = _hlo.compiled_text(step, params, state, x[0][::2], y[0][::2])
+    assert _hlo.count(text, "all-reduce") == 1  # the reduction exists...
+    assert _hlo.count_unconditional(text, "all-reduce") == 0  # ...only inside the k-th call's branch
+    assert _hlo.count_host_callbacks(text) == 0
