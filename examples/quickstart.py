@@ -133,7 +133,7 @@ def train(data: dict[str, np.ndarray], num_replicas: int, total_steps: int, lr: 
     with tqdm(total=total_steps, desc=f"S={num_replicas}", unit="base step", leave=False) as bar:
         while tau < total_steps:
             params, opt_state, loss, m = train_step(params, opt_state, x, y)
-            x, y = next(loader)
+            x, y = next(loader)  # the host prepares the next batch while the step runs
             iterations += 1
             tau = float(m["scale_invariant_steps"])  # τ advances by the gain r_t ∈ [1, S] each iteration
             bar.update(min(int(tau), total_steps) - bar.n)

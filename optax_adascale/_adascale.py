@@ -178,7 +178,8 @@ def _resolve_groups(param_labels: Any, tree: Any) -> _Groups:
     try:
         order = tuple(sorted(set(flat)))
     except TypeError as err:
-        raise TypeError(f"param_labels must be mutually sortable (e.g. all str), got {sorted(set(map(repr, flat)))}") from err
+        labels_seen = sorted(set(map(repr, flat)))
+        raise TypeError(f"param_labels must be mutually sortable (e.g. all str), got {labels_seen}") from err
     index = {label: i for i, label in enumerate(order)}
     return _Groups(order, tuple(index[label] for label in flat))
 

@@ -14,7 +14,10 @@ from typing import Any
 import jax
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_CALLEE = re.compile(r"(to_apply|calls|body|condition|branch_computations|true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
+_CALLEE = re.compile(
+    r"(to_apply|calls|body|condition|branch_computations|true_computation|false_computation)"
+    r"=(\{[^}]*\}|%?[\w.\-]+)"
+)
 _BRANCH_KEYS = {"branch_computations", "true_computation", "false_computation"}
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 

@@ -169,7 +169,9 @@ def test_inject_hyperparams_with_structural_args_static():
     injected = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=static)(
         learning_rate=optax.linear_schedule(0.2, 0.05, 10), momentum=0.9, weight_decay=1e-3, accumulation_steps=2
     )
-    plain = optax_adascale.adascale_sgd(optax.linear_schedule(0.2, 0.05, 10), 0.9, weight_decay=1e-3, accumulation_steps=2)
+    plain = optax_adascale.adascale_sgd(
+        optax.linear_schedule(0.2, 0.05, 10), 0.9, weight_decay=1e-3, accumulation_steps=2
+    )
     params = params_tree()
     s_inj, s_plain = injected.init(params), plain.init(params)
     for seed in range(6):

@@ -193,7 +193,7 @@ def test_momentum_is_applied_before_the_gain():
     tx = optax_adascale.adascale_sgd(LR, momentum=0.9, accumulation_steps=2)
     params = linear_params()
     state = tx.init(params)
-    bufs, gains = [], []
+    gains = []
     buf = np.zeros((2, 2))
     update = jax.jit(tx.update)
     for pair in GOLDEN[3][0] + GOLDEN[4][0]:
