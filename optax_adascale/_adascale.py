@@ -122,16 +122,20 @@ def _check_args(learning_rate, accumulation_steps, scale, smoothing, eps, averag
         raise ValueError(f"averaging must be one of {est.AVERAGING_MODES}, got averaging={averaging!r}")
 
 
-def _check_grads(grads: Any, params: Any) -> None:
-    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
+def _check_floating(tree: Any, name: str) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(
-                f"AdaScale needs floating-point gradients, got dtype {dtype} at "
-                f"grads{jax.tree_util.keystr(path)}. Integer or complex leaves cannot be "
+                f"AdaScale needs floating-point {name}, got dtype {dtype} at "
+                f"{name}{jax.tree_util.keystr(path)}. Integer or complex leaves cannot be "
                 "scaled; keep them out of the optimized tree (e.g. optax.multi_transform "
                 "with optax.set_to_zero)."
             )
+
+
+def _check_grads(grads: Any, params: Any) -> None:
+    _check_floating(grads, "grads")
     if params is not None and jax.tree.structure(grads) != jax.tree.structure(params):
         raise ValueError(
             "grads and params must have the same tree structure, got "
@@ -292,6 +296,7 @@ def adascale(
     k_acc = accumulation_steps
 
     def init_fn(params):
+        _check_floating(params, "params")
         groups = _resolve_groups(param_labels, params)
         zeros = lambda dtype=jnp.float32: jnp.zeros([], dtype)  # noqa: E731 - fresh buffer per field
         acc_grads = acc_sq = None
@@ -434,7 +439,7 @@ def adascale(
                 return jnp.where(ok, scaled, 0).astype(u.dtype)
 
             u_leaves, u_def = jax.tree.flatten(inner_updates)
-            if len(u_leaves) != len(groups.leaf_group):
+            if u_def != jax.tree.structure(mean_grads):
                 raise ValueError(
                     "inner must return updates with the structure of the gradients: got "
                     f"{u_def} for gradients {jax.tree.structure(mean_grads)}."
@@ -755,8 +760,26 @@ def transfer_state(opt_state: Any, target: Any) -> Any:
         fields = source._asdict()
         for f in _PER_REPLICA_FIELDS:
             fields[f] = getattr(s, f)
-        if jax.tree.structure(fields["inner_state"]) != jax.tree.structure(s.inner_state):
-            raise ValueError("the inner transformations of opt_state and target differ in structure")
-        return AdaScaleState(**fields)
+        return _conform(AdaScaleState(**fields), s)
 
     return _map_states(target, per_state, lambda x: x)
+
+
+def _conform(source: Any, target: Any) -> Any:
+    """``source``'s leaves in ``target``'s tree structure and on ``target``'s devices.
+
+    Leaves are matched by key path, so a checkpoint restored without a target
+    (plain dicts and lists where the target has NamedTuples) fits too.
+    """
+    name = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+    key = lambda path: tuple(name(k) for k in path)
+    src = {key(p): v for p, v in jax.tree_util.tree_leaves_with_path(source)}
+    tgt = jax.tree_util.tree_leaves_with_path(target)
+    if sorted(src) != sorted(key(p) for p, _ in tgt):
+        raise ValueError("the inner transformations of opt_state and target differ in structure")
+
+    def place(value, like):
+        sharding = getattr(like, "sharding", None)
+        return jax.device_put(value, sharding) if sharding is not None else value
+
+    return jax.tree.structure(target).unflatten([place(src[key(p)], t) for p, t in tgt])

@@ -135,10 +135,18 @@ def group_sums(values: Sequence[Array], groups: Sequence[int], num_groups: int) 
 
 
 def pmean(tree: Any, axis_name: AxisName | None) -> Any:
-    """The one collective: ``lax.pmean`` of a tuple (one all-reduce), or identity."""
+    """The one collective: the mean of a tuple over ``axis_name`` in one ``lax.psum`` (one all-reduce).
+
+    16-bit floats are divided by the replica count *before* the sum, so gradients
+    near the float16 maximum cannot overflow in the reduction; wider types are
+    divided after it (fused into the consumer). Identity for ``axis_name=None``.
+    """
     if axis_name is None:
         return tree
-    return lax.pmean(tree, axis_name)
+    n = axis_size(axis_name)
+    low = lambda x: jnp.finfo(x.dtype).bits <= 16
+    summed = lax.psum(jax.tree.map(lambda x: x / n if low(x) else x, tree), axis_name)
+    return jax.tree.map(lambda x: x if low(x) else x / n, summed)
 
 
 @jax.tree_util.register_dataclass

@@ -6,7 +6,8 @@ One process of a multi-process run (what the test launches twice)::
         --num-processes 2 --process-id 0 --local-devices 4
 
 Without ``--coordinator`` it trains in a single process. The test imports :func:`train`
-to compute the single-process reference in its own (8-device) process.
+to compute the single-process reference in its own (8-device) process, and
+:func:`run_processes` to launch them (``test_example_multihost.py`` launches the example with it).
 
 Every process builds the same global batches from a fixed seed and hands each device
 its rows with ``jax.make_array_from_callback``, so device ``i`` of the mesh sees the
@@ -16,7 +17,13 @@ same data in every layout; only the all-reduce order can differ between layouts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +129,68 @@ def train_all(mesh: jax.sharding.Mesh) -> dict[str, np.ndarray]:
     for k in ACCUMULATION_STEPS:
         out.update({f"k{k}_{key}": value for key, value in train(mesh, k).items()})
     return out
+
+
+# --------------------------------------------------------------------------- launching processes
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for the coordinator)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(
+    command: Callable[[int, str], Sequence[str]], num_processes: int, log_dir: Path, timeout: float
+) -> list[str]:
+    """Run ``command(process_id, coordinator)`` for every process at once; return their outputs.
+
+    A process that fails leaves its peers waiting for it, so the first failure
+    (or the deadline) kills the others.
+
+    Raises:
+      RuntimeError: with the tail of every process's output, if a process exits
+        with a non-zero status or they do not all finish within ``timeout`` seconds.
+    """
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    logs = [log_dir / f"process{pid}.log" for pid in range(num_processes)]
+    procs: list[subprocess.Popen] = []
+    timed_out = False
+    with contextlib.ExitStack() as stack:
+        for pid, log in enumerate(logs):
+            out = stack.enter_context(open(log, "w"))
+            cmd = [str(part) for part in command(pid, coordinator)]
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                codes = [proc.poll() for proc in procs]
+                if None not in codes or any(codes):
+                    break
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.1)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    outputs = [log.read_text() for log in logs]
+    codes = [proc.returncode for proc in procs]
+    if timed_out or any(codes):
+        tails = []
+        for pid, text in enumerate(outputs):
+            lines = [line for line in text.splitlines() if not line.startswith("[Gloo]")]
+            tails.append(f"--- process {pid}\n" + "\n".join(lines[-30:]))
+        why = f"did not finish within {timeout} s" if timed_out else f"exited with {codes}"
+        raise RuntimeError(f"{num_processes} processes {why}:\n" + "\n".join(tails))
+    return outputs
+
+
+# --------------------------------------------------------------------------- entry point
 
 
 def main() -> None:

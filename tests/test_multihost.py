@@ -7,12 +7,7 @@ on 8 devices in this (single) process.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -26,57 +21,25 @@ LOCAL_DEVICES = 4
 TIMEOUT_S = 100  # a hang (e.g. a process waiting for a peer that died) fails instead of blocking CI
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_processes(tmp_path: Path) -> list[dict[str, np.ndarray]]:
-    coordinator = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _run_workers(tmp_path: Path) -> list[dict[str, np.ndarray]]:
     outs = [tmp_path / f"process{pid}.npz" for pid in range(NUM_PROCESSES)]
-    procs = []
-    with contextlib.ExitStack() as stack:
-        for pid, out in enumerate(outs):
-            log = stack.enter_context(open(tmp_path / f"process{pid}.log", "w"))
-            cmd = [
-                sys.executable,
-                str(WORKER),
-                f"--out={out}",
-                f"--coordinator={coordinator}",
-                f"--num-processes={NUM_PROCESSES}",
-                f"--process-id={pid}",
-                f"--local-devices={LOCAL_DEVICES}",
-            ]
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            # A crashed process leaves its peers waiting for it: stop at the first failure.
-            while True:
-                codes = [proc.poll() for proc in procs]
-                if None not in codes or any(codes):
-                    break
-                if time.monotonic() > deadline:
-                    pytest.fail(f"multi-host workers did not finish within {TIMEOUT_S} s:\n{_tails(tmp_path)}")
-                time.sleep(0.1)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-    codes = [proc.returncode for proc in procs]
-    if any(codes):
-        pytest.fail(f"multi-host workers exited with {codes}:\n{_tails(tmp_path)}")
+
+    def command(pid: int, coordinator: str) -> list[str]:
+        return [
+            sys.executable,
+            WORKER,
+            f"--out={outs[pid]}",
+            f"--coordinator={coordinator}",
+            f"--num-processes={NUM_PROCESSES}",
+            f"--process-id={pid}",
+            f"--local-devices={LOCAL_DEVICES}",
+        ]
+
+    try:
+        multihost_worker.run_processes(command, NUM_PROCESSES, tmp_path, timeout=TIMEOUT_S)
+    except RuntimeError as err:
+        pytest.fail(str(err))
     return [dict(np.load(out)) for out in outs]
-
-
-def _tails(tmp_path: Path) -> str:
-    parts = []
-    for log in sorted(tmp_path.glob("process*.log")):
-        lines = [line for line in log.read_text().splitlines() if not line.startswith("[Gloo]")]
-        parts.append(f"--- {log.name}\n" + "\n".join(lines[-30:]))
-    return "\n".join(parts)
 
 
 def _assert_close(actual: np.ndarray, expected: np.ndarray, name: str, rtol: float = 1e-5) -> None:
@@ -89,7 +52,7 @@ def _assert_close(actual: np.ndarray, expected: np.ndarray, name: str, rtol: flo
 
 @pytest.fixture(scope="module")
 def multihost_results(tmp_path_factory) -> list[dict[str, np.ndarray]]:
-    return _run_processes(tmp_path_factory.mktemp("multihost"))
+    return _run_workers(tmp_path_factory.mktemp("multihost"))
 
 
 @pytest.fixture(scope="module")
