@@ -356,13 +356,13 @@ def adascale(
         _collect.check_not_summed(grads, axis_name)
         local_sq = _collect.group_sums(sq_leaves, groups.leaf_group, groups.size)
 
-        def step(mean_grads, mean_sq, state):
-            return _apply(mean_grads, mean_sq, state, params, extra_args, groups, n, S, theta)
+        def step(local_grads, local_sq, state):
+            with jax.named_scope("adascale/reduce"):
+                reduced = _collect.reduce_statistics(local_grads, local_sq, axis_name, groups.leaf_group, groups.size)
+            return _apply(*reduced, state, params, extra_args, groups, n, S, theta)
 
         if k_acc == 1:
-            with jax.named_scope("adascale/pmean"):
-                mean_grads, mean_sq = _collect.pmean((grads, local_sq), axis_name)
-            return step(mean_grads, mean_sq, state)
+            return step(grads, local_sq, state)
         return _accumulate(grads, local_sq, state, step)
 
     def _accumulate(grads, local_sq, state, step):
@@ -376,9 +376,7 @@ def adascale(
 
         def reduce_branch(acc, acc_sq, state):
             local = jax.tree.map(lambda a, g: (squeeze(a) / k_acc).astype(g.dtype), acc, grads)
-            with jax.named_scope("adascale/pmean"):
-                mean_grads, mean_sq = _collect.pmean((local, squeeze(acc_sq) / k_acc), axis_name)
-            new_updates, new_state = step(mean_grads, mean_sq, state)
+            new_updates, new_state = step(local, squeeze(acc_sq) / k_acc, state)
             return new_updates, new_state._replace(
                 micro_step=jnp.zeros_like(state.micro_step),
                 acc_grads=_collect.match_varying(jax.tree.map(jnp.zeros_like, acc), acc),
@@ -395,8 +393,8 @@ def adascale(
         last = state.micro_step >= k_acc - 1
         return lax.cond(last, reduce_branch, accumulate_branch, acc, acc_sq, state)
 
-    def _apply(mean_grads, mean_sq, full_state, params, extra_args, groups, n, S, theta):
-        """One AdaScale update from reduced (replica-identical) statistics.
+    def _apply(mean_grads, mean_sq, b, full_state, params, extra_args, groups, n, S, theta):
+        """One AdaScale update from reduced (replica-identical) statistics ``ḡ``, ``a``, ``b``.
 
         The accumulation buffers are the caller's business: they are set aside
         so that the skip's select never touches a gradient-sized buffer.
@@ -404,8 +402,6 @@ def adascale(
         state = full_state._replace(acc_grads=None, acc_sq_norm=None)
         G = groups.size
         with jax.named_scope("adascale/statistics"):
-            mean_leaves = jax.tree.leaves(mean_grads)
-            b = _collect.group_sums([_collect.leaf_sq_norm(g) for g in mean_leaves], groups.leaf_group, G)
             count = optax.safe_increment(state.count)
             if n > 1:
                 var_t, sqr_t = est.step_moments(mean_sq, b, n, S, eps)
@@ -431,19 +427,28 @@ def adascale(
             ok = ok & jnp.isfinite(step_size) & jnp.all(jnp.isfinite(group_step)) & (lr >= 0)
 
         inner_updates, inner_state = inner.update(mean_grads, state.inner_state, params, **extra_args)
+        u_leaves, u_def = jax.tree.flatten(inner_updates)
+        if u_def != jax.tree.structure(mean_grads):
+            raise ValueError(
+                "inner must return updates with the structure of the gradients: got "
+                f"{u_def} for gradients {jax.tree.structure(mean_grads)}."
+            )
+        kept_inner_state = optax.tree.where(ok, inner_state, state.inner_state)
 
         with jax.named_scope("adascale/scale_updates"):
+            # When an update leaf *is* a leaf of the new inner state (optax.trace's
+            # momentum), scale the selected state leaf instead: equal whenever
+            # ok, and it makes the parameter update consume the state write
+            # rather than re-read the old state, which a donated (in-place)
+            # state buffer would otherwise force XLA to copy first.
+            selected = dict(zip(map(id, jax.tree.leaves(inner_state)), jax.tree.leaves(kept_inner_state)))
+
             def scale_leaf(u, g):
+                u = selected.get(id(u), u)
                 dtype = _collect.stat_dtype(u.dtype)
                 scaled = u.astype(dtype) * (-group_step[g]).astype(dtype)
                 return jnp.where(ok, scaled, 0).astype(u.dtype)
 
-            u_leaves, u_def = jax.tree.flatten(inner_updates)
-            if u_def != jax.tree.structure(mean_grads):
-                raise ValueError(
-                    "inner must return updates with the structure of the gradients: got "
-                    f"{u_def} for gradients {jax.tree.structure(mean_grads)}."
-                )
             new_updates = u_def.unflatten([scale_leaf(u, g) for u, g in zip(u_leaves, groups.leaf_group)])
 
         tau_whole, tau_frac = est.advance_tau(state.tau_whole, state.tau_frac, gain)
@@ -458,10 +463,11 @@ def adascale(
             ema_weight=weight,
             learning_rate=step_size,
             scale=jnp.asarray(S, jnp.float32),
-            inner_state=inner_state,
+            inner_state=None,
         )
-        new_state = optax.tree.where(ok, stepped, state)
+        new_state = optax.tree.where(ok, stepped, state._replace(inner_state=None))
         new_state = new_state._replace(
+            inner_state=kept_inner_state,
             skipped_steps=jnp.where(ok, state.skipped_steps, optax.safe_increment(state.skipped_steps)),
             acc_grads=full_state.acc_grads,
             acc_sq_norm=full_state.acc_sq_norm,

@@ -134,19 +134,32 @@ def group_sums(values: Sequence[Array], groups: Sequence[int], num_groups: int) 
     return jnp.stack(totals)
 
 
-def pmean(tree: Any, axis_name: AxisName | None) -> Any:
-    """The one collective: the mean of a tuple over ``axis_name`` in one ``lax.psum`` (one all-reduce).
+def reduce_statistics(
+    grads: Any, local_sq: Array, axis_name: AxisName | None, leaf_group: Sequence[int], num_groups: int
+) -> tuple[Any, Array, Array]:
+    """The one collective, and ``‖ḡ‖²`` read straight off its output.
 
-    16-bit floats are divided by the replica count *before* the sum, so gradients
-    near the float16 maximum cannot overflow in the reduction; wider types are
-    divided after it (fused into the consumer). Identity for ``axis_name=None``.
+    One ``lax.psum`` of ``(grads, local_sq)`` (XLA emits one all-reduce). The
+    squared norm of the mean is taken on the *sum* and divided by ``n²``, and
+    the mean ``ḡ = sum/n`` is handed on as an expression: XLA then fuses the
+    division into the optimizer update instead of materializing ``ḡ`` for its
+    two consumers. 16-bit floats are divided by ``n`` *before* the sum so that
+    values near the float16 maximum cannot overflow in the reduction.
+
+    Returns:
+      ``(ḡ, a, b)``: the mean gradient, ``a`` = mean of the local squared norms
+      (float32 ``[G]``), ``b = ‖ḡ‖²`` per group (float32 ``[G]``).
     """
     if axis_name is None:
-        return tree
+        b = group_sums([leaf_sq_norm(g) for g in jax.tree.leaves(grads)], leaf_group, num_groups)
+        return grads, local_sq, b
     n = axis_size(axis_name)
     low = lambda x: jnp.finfo(x.dtype).bits <= 16
-    summed = lax.psum(jax.tree.map(lambda x: x / n if low(x) else x, tree), axis_name)
-    return jax.tree.map(lambda x: x if low(x) else x / n, summed)
+    sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if low(x) else x, grads), local_sq), axis_name)
+    leaves = jax.tree.leaves(sums)
+    b = group_sums([leaf_sq_norm(s) if low(s) else leaf_sq_norm(s) / (n * n) for s in leaves], leaf_group, num_groups)
+    mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
+    return mean, sq_sum / n, b
 
 
 @jax.tree_util.register_dataclass

@@ -83,3 +83,14 @@ def count_collectives(text: str) -> dict[str, int]:
 def count_host_callbacks(text: str) -> int:
     """Custom calls into Python (``jax.debug``, ``pure_callback``, ``io_callback``)."""
     return len(re.findall(r"custom_call_target=\"[^\"]*callback[^\"]*\"", text))
+
+
+def count_large_copies(text: str, min_elements: int = 1024) -> int:
+    """``copy`` instructions of arrays with at least ``min_elements`` elements (extra memory passes)."""
+    total = 0
+    for dims in re.findall(r"=\s*\w+\[([\d,]*)\][^=]*?\scopy\(", text):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size >= min_elements
+    return total

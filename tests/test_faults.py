@@ -71,7 +71,7 @@ BAD_INPUTS = {
     "integer grads": (
         lambda: _update(optax_adascale.adascale_sgd(0.1, accumulation_steps=2),
                         grads={"w": jnp.ones((2, 2), jnp.int32), "b": PARAMS["b"]}),
-        TypeError, r"floating-point gradients, got dtype int32 at grads\['w'\]"),
+        TypeError, r"floating-point grads, got dtype int32 at grads\['w'\]"),
     "microbatch_stats of the wrong type": (
         lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=2).update(
             PARAMS, optax_adascale.adascale_sgd(0.1, accumulation_steps=2).init(PARAMS), PARAMS,

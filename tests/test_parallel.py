@@ -326,3 +326,26 @@ def test_accumulation_only_calls_execute_no_all_reduce():
     assert _hlo.count(text, "all-reduce") == 1  # the reduction exists...
     assert _hlo.count_unconditional(text, "all-reduce") == 0  # ...only inside the k-th call's branch
     assert _hlo.count_host_callbacks(text) == 0
+
+
+def test_donated_step_copies_no_gradient_sized_buffer():
+    # The skip's select on the momentum must not force XLA to copy the donated state before the
+    # in-place update (it would be an extra pass over every buffer).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+    params = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
+    x = jnp.ones((N, 4, 64))
+    loss = lambda p, xb: jnp.sum(jnp.tanh(xb @ p["w"] + p["b"]) ** 2)
+    texts = {}
+    for name, tx in {"adascale": make_tx(axis_name="i"), "sgd": optax.sgd(0.1, momentum=0.9)}.items():
+        def step(p, s, xb, tx=tx, name=name):
+            g = jax.grad(loss)(jax.lax.pcast(p, "i", to="varying"), xb[0])
+            if name == "sgd":
+                g = jax.lax.pmean(g, "i")
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("i")), out_specs=(P(), P())),
+                    donate_argnums=(0, 1))
+        texts[name] = _hlo.compiled_text(f, params, tx.init(params), x)
+    assert _hlo.count_large_copies(texts["sgd"]) == 0
+    assert _hlo.count_large_copies(texts["adascale"]) == 0
