@@ -1,0 +1,31 @@
+"""The README stays true: its usage example runs, and it opens with the two commands."""
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_opens_with_the_main_job_and_the_test_command():
+    first_block = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1).splitlines()
+    assert first_block == [
+        'pip install -e ".[examples]" && python examples/train_mnist1d.py',
+        'pip install -e ".[test]" && pytest',
+    ]
+
+
+def test_readme_usage_example_trains_until_the_budget(capsys):
+    text = README.read_text()
+    usage = text[text.index("## Usage") :]
+    code = re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - our own documentation
+    import optax_adascale
+
+    m = optax_adascale.metrics(namespace["opt_state"])
+    assert float(m["scale_invariant_steps"]) >= namespace["T_SI"]
+    assert 1.0 <= float(m["gain"]) <= namespace["mesh"].size
+    assert float(m["scale"]) == namespace["mesh"].size
+    # Fewer iterations than base steps: the gain exceeded 1 somewhere.
+    assert int(optax_adascale.get_adascale_state(namespace["opt_state"]).count) < namespace["T_SI"]
+    assert "gain" in capsys.readouterr().out
