@@ -221,7 +221,7 @@ def digits_task(*, smoke: bool = False) -> Task:
         hidden=(16,) if smoke else (64,),
         batch_size=16,
         total_steps=64 if smoke else 1536,
-        learning_rate=0.05,
+        learning_rate=0.1,
         info={"split_seed": 0},
     )
 
@@ -279,7 +279,7 @@ def regression_task(*, smoke: bool = False) -> Task:
         title="noisy linear regression",
         batch_size=batch_size,
         total_steps=64 if smoke else 2048,
-        learning_rate=0.1,
+        learning_rate=0.05,
         momentum=0.9,
         decay="exponential",
         metric="excess risk",

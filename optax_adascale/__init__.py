@@ -4,6 +4,7 @@ Johnson, Agrawal, Gu, Guestrin, "AdaScale SGD: A User-Friendly Algorithm for
 Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
 """
 
+from optax_adascale import scaling_rules
 from optax_adascale._adascale import (
     AdaScaleState,
     adascale,
@@ -28,6 +29,7 @@ __all__ = (
     "get_adascale_state",
     "metrics",
     "replicate_buffers",
+    "scaling_rules",
     "scale_invariant_steps",
     "state_axes",
     "state_partition_specs",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -354,6 +354,7 @@ def adascale(
             )
         theta = est.default_smoothing(n) if smoothing is None else smoothing
         _collect.check_not_summed(grads, axis_name)
+        _collect.check_vmap_axis_not_explicit(grads, axis_name)
         local_sq = _collect.group_sums(sq_leaves, groups.leaf_group, groups.size)
 
         def step(local_grads, local_sq, state):
@@ -565,11 +566,17 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, AdaScaleState)
 
 
+# Fields a restored or NNX-split state always keeps (containers that may be empty can be dropped).
+_REQUIRED_FIELDS = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "learning_rate", "scale",
+                    "skipped_steps", "micro_step")
+
+
 def _as_state(x: Any) -> AdaScaleState | None:
+    """``x`` as an AdaScaleState, also from a mapping with its field names (Orbax without target, NNX State)."""
     if isinstance(x, AdaScaleState):
         return x
-    if isinstance(x, dict) and set(AdaScaleState._fields) <= set(x):
-        return AdaScaleState(**{f: x[f] for f in AdaScaleState._fields})
+    if isinstance(x, Mapping) and set(_REQUIRED_FIELDS) <= set(x.keys()):
+        return AdaScaleState(**{f: x.get(f, {} if f == "group_gain" else None) for f in AdaScaleState._fields})
     return None
 
 
@@ -599,7 +606,7 @@ def get_adascale_state(opt_state: Any) -> AdaScaleState:
         if state is not None:
             found.append(state)
             return
-        if isinstance(node, dict):
+        if isinstance(node, Mapping):
             children = node.values()
         elif isinstance(node, (list, tuple)):
             children = node
@@ -666,7 +673,7 @@ def metrics(opt_state: Any) -> dict[str, Any]:
         "scale": _value(s.scale),
         "skipped_steps": _value(s.skipped_steps),
     }
-    if isinstance(s.group_gain, dict) and s.group_gain:
+    if isinstance(s.group_gain, Mapping) and s.group_gain:
         out["group_gains"] = {k: _value(v) for k, v in s.group_gain.items()}
     return out
 

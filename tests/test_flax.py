@@ -80,9 +80,9 @@ def reference_loop(samples_per_update=N):
         return optax.apply_updates(params, updates), opt_state
 
     log = []
-    for xs, ys in zip(*data()):
+    for xs, ys in zip(*data(), strict=True):
         xs, ys = xs.reshape(samples_per_update, -1, DIM), ys.reshape(samples_per_update, -1)
-        for x, y in zip(xs, ys):
+        for x, y in zip(xs, ys, strict=True):
             params, opt_state = step(params, opt_state, x, y)
         log.append(trace(opt_state))
     return params, log
@@ -183,7 +183,7 @@ def test_train_state_in_shard_map_matches_optax_loop():
 
     step = jax.jit(jax.shard_map(replica_step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P()))
     log = []
-    for x, y in zip(*data()):
+    for x, y in zip(*data(), strict=True):
         state = step(state, x, y)
         log.append(trace(state))
     assert int(state.step) == STEPS
@@ -203,7 +203,7 @@ def test_train_state_microbatch_stats_in_shard_map_matches_optax_loop():
 
     step = jax.jit(jax.shard_map(replica_step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P()))
     log = []
-    for x, y in zip(*data()):
+    for x, y in zip(*data(), strict=True):
         state = step(state, x, y)
         log.append(trace(state))
     assert optax_adascale.metrics(state)["scale"] == 2 * N
@@ -219,7 +219,7 @@ def test_train_state_in_pmap_matches_optax_loop():
 
     step = jax.pmap(replica_step, axis_name=AXIS)
     log = []
-    for x, y in zip(*data()):
+    for x, y in zip(*data(), strict=True):
         state = step(state, x, y)
         log.append(trace(jax_utils.unreplicate(state)))
     # Every replica holds the same state.
@@ -270,8 +270,8 @@ def test_nnx_optimizer_with_accumulation_matches_optax_loop():
         optimizer.update(model, nnx.grad(nnx_loss)(model, x, y))
 
     log = []
-    for xs, ys in zip(*data()):
-        for x, y in zip(xs, ys):
+    for xs, ys in zip(*data(), strict=True):
+        for x, y in zip(xs, ys, strict=True):
             step(model, optimizer, x, y)
         log.append(trace(optimizer.opt_state))
     assert_same_training(linen_params(model), log, *reference_loop())
@@ -289,7 +289,7 @@ def test_nnx_optimizer_forwards_microbatch_stats():
         optimizer.update(model, grads, microbatch_stats=stats)
 
     log = []
-    for x, y in zip(*data()):
+    for x, y in zip(*data(), strict=True):
         step(model, optimizer, x.reshape(-1, DIM), y.reshape(-1))
         log.append(trace(optimizer.opt_state))
     assert_same_training(linen_params(model), log, *reference_loop())
@@ -302,7 +302,8 @@ def test_nnx_metrics_are_plain_arrays():
     step = nnx.jit(lambda model, optimizer, x, y: optimizer.update(model, nnx.grad(nnx_loss)(model, x, y)))
     for t in range(2):
         step(model, optimizer, x[0, t], y[0, t])
-    for source in (optimizer.opt_state, optimizer):
+    pure_state = nnx.split((model, optimizer))[1]  # an nnx.State mapping; empty fields are dropped
+    for source in (optimizer.opt_state, optimizer, pure_state):
         m = optax_adascale.metrics(source)
         assert all(type(v) is type(jnp.zeros(())) for v in m.values()), {k: type(v) for k, v in m.items()}
         assert float(m["scale_invariant_steps"]) == float(optax_adascale.scale_invariant_steps(source)) >= 1.0
@@ -332,17 +333,21 @@ def test_nnx_optimizer_over_a_replica_axis_matches_optax_loop(parallel):
     if parallel == "vmap":
         step = jax.vmap(
             functools.partial(nnx_replica_step, graphdef),
-            in_axes=(None, 0, 0), out_axes=None, axis_name=AXIS,
+            in_axes=(None, 0, 0),
+            out_axes=None,
+            axis_name=AXIS,
         )
     else:
         mesh = jax.sharding.Mesh(np.array(jax.devices()), (AXIS,))
         step = jax.shard_map(
             lambda state, x, y: nnx_replica_step(graphdef, state, x[0], y[0], axis=AXIS),
-            mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P(),
+            mesh=mesh,
+            in_specs=(P(), P(AXIS), P(AXIS)),
+            out_specs=P(),
         )
     step = jax.jit(step)
     log = []
-    for x, y in zip(*data()):
+    for x, y in zip(*data(), strict=True):
         state = step(state, x, y)
         # The pure nnx.State holds AdaScaleState as a mapping without its empty fields, which
         # optax_adascale.metrics does not recognise: read it from the merged optimizer.
