@@ -372,27 +372,31 @@ def adascale(
         lead = state.acc_sq_norm.ndim == 2
         expand = (lambda x: x[None]) if lead else (lambda x: x)
         squeeze = (lambda x: x[0]) if lead else (lambda x: x)
-        acc = jax.tree.map(lambda a, g: a + expand(g.astype(a.dtype)), state.acc_grads, grads)
-        acc_sq = state.acc_sq_norm + expand(local_sq)
+        acc_grads, acc_sq = state.acc_grads, state.acc_sq_norm
+        scalars = state._replace(acc_grads=None, acc_sq_norm=None)
 
-        def reduce_branch(acc, acc_sq, state):
-            local = jax.tree.map(lambda a, g: (squeeze(a) / k_acc).astype(g.dtype), acc, grads)
-            new_updates, new_state = step(local, squeeze(acc_sq) / k_acc, state)
-            return new_updates, new_state._replace(
-                micro_step=jnp.zeros_like(state.micro_step),
-                acc_grads=_collect.match_varying(jax.tree.map(jnp.zeros_like, acc), acc),
-                acc_sq_norm=_collect.match_varying(jnp.zeros_like(acc_sq), acc_sq),
-            )
+        # The cond neither takes nor returns the buffers (a pass-through output
+        # would be copied on every accumulating call); the reducing branch reads
+        # them, and they are updated after the cond, in place.
+        def reduce_branch(state):
+            mean = lambda a, g: ((squeeze(a) + g.astype(a.dtype)) / k_acc).astype(g.dtype)
+            local = jax.tree.map(mean, acc_grads, grads)
+            new_updates, new_state = step(local, (squeeze(acc_sq) + local_sq) / k_acc, state)
+            return new_updates, new_state._replace(micro_step=jnp.zeros_like(state.micro_step)), jnp.bool_(True)
 
-        out_types = jax.eval_shape(reduce_branch, acc, acc_sq, state)
+        out_types = jax.eval_shape(reduce_branch, scalars)
 
-        def accumulate_branch(acc, acc_sq, state):
+        def accumulate_branch(state):
             zero_updates = jax.tree.map(_collect.fresh_zeros, grads)
-            new_state = state._replace(micro_step=state.micro_step + 1, acc_grads=acc, acc_sq_norm=acc_sq)
-            return _collect.match_varying((zero_updates, new_state), out_types)
+            out = (zero_updates, state._replace(micro_step=state.micro_step + 1), jnp.bool_(False))
+            return _collect.match_varying(out, out_types)
 
         last = state.micro_step >= k_acc - 1
-        return lax.cond(last, reduce_branch, accumulate_branch, acc, acc_sq, state)
+        new_updates, new_state, reduced = lax.cond(last, reduce_branch, accumulate_branch, scalars)
+        # `reduced` (not `last`) orders these writes after the cond's reads.
+        new_acc = jax.tree.map(lambda a, g: jnp.where(reduced, 0, a + expand(g.astype(a.dtype))), acc_grads, grads)
+        new_sq = jnp.where(reduced, 0, acc_sq + expand(local_sq))
+        return new_updates, new_state._replace(acc_grads=new_acc, acc_sq_norm=new_sq)
 
     def _apply(mean_grads, mean_sq, b, full_state, params, extra_args, groups, n, S, theta):
         """One AdaScale update from reduced (replica-identical) statistics ``ḡ``, ``a``, ``b``.

@@ -94,3 +94,37 @@ def count_large_copies(text: str, min_elements: int = 1024) -> int:
             size *= int(d)
         total += size >= min_elements
     return total
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start", "copy-done"}
+
+
+def passes_over(text: str, shape: str) -> dict[str, int]:
+    """Memory passes over arrays of ``shape`` (e.g. ``"f32[1024,1024]"``) in the entry computation.
+
+    Counts, for every instruction that does work (fusions, collectives, dots, copies; not
+    parameters, tuples or bitcasts), how many of its operands have that shape (``reads``) and
+    how many of its results do (``writes``). Collectives count once per tuple element.
+    """
+    comps, entry = _split(text)
+    types: dict[str, str] = {}
+    parsed = []
+    for line in comps.get(entry, []):
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, result, op, rest = m.groups()
+        types[name] = result
+        operands = re.findall(r"%([\w.\-]+)", rest.split("),", 1)[0] if ")," in rest else rest)
+        parsed.append((name, result, op, operands))
+    target = shape.replace(" ", "")
+    reads = writes = 0
+    for _name, result, op, operands in parsed:
+        if op in _FREE:
+            continue
+        writes += len(re.findall(re.escape(target) + r"(?:\{|\b)", result.replace(" ", "")))
+        for operand in operands:
+            if types.get(operand, "").replace(" ", "").startswith(target):
+                reads += 1
+    return {"reads": reads, "writes": writes}

@@ -349,3 +349,26 @@ def test_donated_step_copies_no_gradient_sized_buffer():
         texts[name] = _hlo.compiled_text(f, params, tx.init(params), x)
     assert _hlo.count_large_copies(texts["sgd"]) == 0
     assert _hlo.count_large_copies(texts["adascale"]) == 0
+
+
+def test_donated_accumulation_step_copies_no_buffer():
+    # The accumulation buffers are updated in place: the cond neither passes them through (which
+    # copies them on every accumulating call) nor races the in-place write against its reads.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+    tx = make_tx(axis_name="i", accumulation_steps=4)
+    params = init_params()
+    state = optax_adascale.replicate_buffers(tx.init(params), N)
+    specs = optax_adascale.state_partition_specs(state, "i")
+
+    def step(p, s, x, y):
+        grads = jax.grad(loss_fn)(jax.lax.pcast(p, "i", to="varying"), x[0], y[0])
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("i"), P("i")), out_specs=(P(), specs)),
+        donate_argnums=(0, 1),
+    )
+    x, y = data()
+    text = _hlo.compiled_text(f, params, state, x[0], y[0])
+    assert _hlo.count_large_copies(text, min_elements=DIM * 16) == 0

@@ -1,0 +1,244 @@
+"""What does AdaScale cost per step? Side-by-side timing against SGD + pmean, plus compiled-HLO facts.
+
+Variants, on the same MLP, mesh and data, compiled once and timed in alternating blocks:
+
+  sgd       optax.sgd(momentum=0.9) on lax.pmean'd gradients (the baseline: ratio 1)
+  floor     sgd, plus the local squared norm riding in the same pmean (the least AdaScale can do)
+  adascale  adascale_sgd(momentum=0.9, axis_name=...): current-step gain, one collective
+  multi4    optax.MultiSteps(sgd, 4) on pmean'd gradients (a collective on every call)
+  acc4      adascale_sgd(..., accumulation_steps=4): a collective on every 4th call only
+
+A block runs ``--steps`` updates (4 calls each for the accumulating variants) and then blocks
+until done; one round times every variant once, in order; a block's ratio is its time over the
+``sgd`` block of the same round. We report the median ratio with its min–max over the rounds.
+Every step donates params and optimizer state, as a training loop would.
+
+    python benchmarks/overhead.py                # full grid -> benchmarks/overhead.json
+    python benchmarks/overhead.py --smoke        # seconds (used by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+VARIANTS = ("sgd", "floor", "adascale", "multi4", "acc4")
+AXIS = "data"
+
+
+def mlp_widths(params_target: int, depth: int = 3, d_in: int = 256, d_out: int = 10) -> list[int]:
+    """Layer widths of an MLP with ``depth`` equal hidden layers and about ``params_target`` parameters."""
+    lo, hi = 8, 16384
+    while hi - lo > 8:
+        mid = (lo + hi) // 2
+        count = d_in * mid + (depth - 1) * mid * mid + mid * d_out
+        lo, hi = (mid, hi) if count < params_target else (lo, mid)
+    return [d_in] + [lo] * depth + [d_out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few rounds (seconds)")
+    parser.add_argument("--devices", type=int, default=8, help="CPU devices to fake (ignored on accelerators)")
+    parser.add_argument("--params", type=float, nargs="+", default=[2e6, 2e7], help="MLP sizes in parameters")
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 128], help="per-device batch sizes")
+    parser.add_argument("--modes", nargs="+", default=["shard_map", "pmap"], choices=["shard_map", "pmap"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=3, help="updates per timed block")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("overhead.json"))
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.params, args.batch, args.rounds, args.steps = [2e4], [8], 3, 2
+    if "sgd" not in args.variants:
+        args.variants.insert(0, "sgd")
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    devices = jax.devices()[: args.devices] if jax.default_backend() == "cpu" else jax.devices()
+    print(
+        f"JAX {jax.__version__}, {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), "
+        f"{os.cpu_count()} host cores",
+        flush=True,
+    )
+    results = []
+    for n_params in args.params:
+        for batch in args.batch:
+            for mode in args.modes:
+                row = run_cell(jax, devices, mode, int(n_params), batch, args)
+                results.append(row)
+                print_row(row)
+    meta = {
+        "command": "python benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "jax": jax.__version__,
+        "device": f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform})",
+        "host": f"{platform.machine()}, {os.cpu_count()} cores",
+        "rounds": args.rounds,
+        "steps_per_block": args.steps,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import optax_adascale
+    from optax_adascale import _hlo
+
+    n = len(devices)
+    mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
+    widths = mlp_widths(n_params)
+    rng = np.random.default_rng(0)
+    params0 = [
+        {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
+        for a, b in zip(widths[:-1], widths[1:])
+    ]
+    x = rng.normal(size=(n * batch, widths[0])).astype(np.float32)
+    y = rng.integers(0, widths[-1], size=(n * batch,)).astype(np.int32)
+    largest = max((leaf["w"] for leaf in params0), key=lambda w: w.size)
+    largest_shape = "f32[" + ",".join(map(str, largest.shape)) + "]"
+
+    def loss_fn(params, xb, yb):
+        h = xb
+        for layer in params[:-1]:
+            h = jax.nn.relu(h @ layer["w"] + layer["b"])
+        logits = h @ params[-1]["w"] + params[-1]["b"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+    lr = 0.01
+    sgd = optax.sgd(lr, momentum=0.9)
+    txs = {
+        "sgd": (sgd, 1),
+        "floor": (sgd, 1),
+        "adascale": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS), 1),
+        "multi4": (optax.MultiSteps(optax.sgd(lr, momentum=0.9), every_k_schedule=4), 4),
+        "acc4": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, accumulation_steps=4), 4),
+    }
+
+    def make_body(name, tx, vary):
+        def body(params, state, xb, yb):
+            grads = jax.grad(loss_fn)(vary(params), xb, yb)
+            extra = jnp.zeros([])
+            if name in ("sgd", "multi4"):
+                grads = jax.lax.pmean(grads, AXIS)
+            elif name == "floor":
+                extra = sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))
+                grads, extra = jax.lax.pmean((grads, extra), AXIS)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, extra
+
+        return body
+
+    compiled, carry, hlo, compile_s = {}, {}, {}, {}
+    for name in args.variants:
+        tx, k = txs[name]
+        state0 = tx.init(params0)
+        if mode == "shard_map":
+            state0 = optax_adascale.replicate_buffers(state0, n)
+            specs = optax_adascale.state_partition_specs(state0, AXIS)
+            body = make_body(name, tx, lambda p: jax.lax.pcast(p, AXIS, to="varying"))
+            step = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs, P())
+                ),
+                donate_argnums=(0, 1),
+            )
+            params = jax.device_put(params0, NamedSharding(mesh, P()))
+            state = jax.device_put(state0, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+            xs = jax.device_put(x, NamedSharding(mesh, P(AXIS)))
+            ys = jax.device_put(y, NamedSharding(mesh, P(AXIS)))
+        else:
+            body = make_body(name, tx, lambda p: p)
+            step = jax.pmap(body, axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
+            stacked = NamedSharding(mesh, P(AXIS))
+
+            def stack(tree, stacked=stacked):
+                return jax.device_put(jax.tree.map(lambda leaf: np.stack([np.asarray(leaf)] * n), tree), stacked)
+
+            params, state = stack(params0), stack(state0)
+            xs = jax.device_put(x.reshape(n, batch, -1), stacked)
+            ys = jax.device_put(y.reshape(n, batch), stacked)
+        t0 = time.perf_counter()
+        exe = step.lower(params, state, xs, ys).compile()
+        compile_s[name] = time.perf_counter() - t0
+        text = exe.as_text()
+        hlo[name] = {
+            "all_reduce": _hlo.count(text, "all-reduce"),
+            "all_reduce_every_call": _hlo.count_unconditional(text, "all-reduce"),
+            "collectives": {op: c for op, c in _hlo.count_collectives(text).items() if c},
+            "host_callbacks": _hlo.count_host_callbacks(text),
+            "largest_leaf_passes": _hlo.passes_over(text, largest_shape),
+            "large_copies": _hlo.count_large_copies(text),
+            "state_bytes": int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tx.init(params0)))),
+        }
+        for _ in range(2 * k):  # warm up, keep the donated buffers flowing
+            params, state, _ = exe(params, state, xs, ys)
+        jax.block_until_ready(params)
+        compiled[name], carry[name] = exe, (params, state, xs, ys)
+
+    times: dict[str, list[float]] = {name: [] for name in args.variants}
+    for _ in range(args.rounds):
+        for name in args.variants:
+            exe, k = compiled[name], txs[name][1]
+            params, state, xs, ys = carry[name]
+            t0 = time.perf_counter()
+            for _ in range(args.steps * k):
+                params, state, _ = exe(params, state, xs, ys)
+            jax.block_until_ready((params, state))
+            times[name].append((time.perf_counter() - t0) / args.steps)
+            carry[name] = (params, state, xs, ys)
+        # free nothing: every variant keeps its own donated buffers
+
+    base = np.array(times["sgd"])
+    return {
+        "mode": mode,
+        "params": int(sum(a.size for a in jax.tree.leaves(params0))),
+        "widths": widths,
+        "per_device_batch": batch,
+        "ratios": {
+            name: {
+                "median": float(np.median(np.array(t) / base)),
+                "min": float(np.min(np.array(t) / base)),
+                "max": float(np.max(np.array(t) / base)),
+            }
+            for name, t in times.items()
+        },
+        "median_ms_per_update": {name: 1e3 * statistics.median(t) for name, t in times.items()},
+        "compile_ratio": {name: compile_s[name] / compile_s["sgd"] for name in compile_s},
+        "hlo": hlo,
+    }
+
+
+def print_row(row: dict) -> None:
+    head = f"{row['mode']:9s} {row['params'] / 1e6:5.2f}M params, batch/device {row['per_device_batch']:4d}"
+    ratios = [(name, r) for name, r in row["ratios"].items() if name != "sgd"]
+    parts = [f"{name} {r['median']:.3f} [{r['min']:.2f}-{r['max']:.2f}]" for name, r in ratios]
+    print(head + " | " + " | ".join(parts), flush=True)
+    for name, h in row["hlo"].items():
+        p = h["largest_leaf_passes"]
+        print(
+            f"    {name:9s} all-reduce {h['all_reduce']} (every call {h['all_reduce_every_call']}), "
+            f"largest leaf reads {p['reads']} writes {p['writes']}, large copies {h['large_copies']}, "
+            f"host callbacks {h['host_callbacks']}, state {h['state_bytes'] / 1e6:.1f} MB, "
+            f"compile x{row['compile_ratio'][name]:.2f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
