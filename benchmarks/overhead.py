@@ -4,6 +4,8 @@ Variants, on the same MLP, mesh and data, compiled once and timed in alternating
 
   sgd       optax.sgd(momentum=0.9) on lax.pmean'd gradients (the baseline: ratio 1)
   floor     sgd, plus the local squared norm riding in the same pmean (the least AdaScale can do)
+  floor_b   floor, plus ‖ḡ‖² read off the all-reduce output: the pass a current-step gain needs
+            before the update can start (an ablation: what is left above it is bookkeeping)
   adascale  adascale_sgd(momentum=0.9, axis_name=...): current-step gain, one collective
   multi4    optax.MultiSteps(sgd, 4) on pmean'd gradients (a collective on every call)
   acc4      adascale_sgd(..., accumulation_steps=4): a collective on every 4th call only
@@ -13,8 +15,9 @@ until done; one round times every variant once, in order; a block's ratio is its
 ``sgd`` block of the same round. We report the median ratio with its min–max over the rounds.
 Every step donates params and optimizer state, as a training loop would.
 
-    python benchmarks/overhead.py                # full grid -> benchmarks/overhead.json
+    python benchmarks/overhead.py --out benchmarks/overhead_2m.json --params 2e6
     python benchmarks/overhead.py --smoke        # seconds (used by the tests)
+    python benchmarks/overhead.py --report benchmarks/overhead_*.json   # -> RESULTS.md "overhead" section
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = ("sgd", "floor", "adascale", "multi4", "acc4")
+VARIANTS = ("sgd", "floor", "floor_b", "adascale", "multi4", "acc4")
 AXIS = "data"
 
 
@@ -55,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=3, help="updates per timed block")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("overhead.json"))
+    parser.add_argument("--report", type=Path, nargs="+", help="write RESULTS.md's section from these JSON files")
+    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = parser.parse_args(argv)
+    if args.report:
+        print(f"wrote {write_report(args.report, args.results)}")
+        return 0
     if args.smoke:
         args.params, args.batch, args.rounds, args.steps = [2e4], [8], 3, 2
     if "sgd" not in args.variants:
@@ -125,6 +133,7 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
     txs = {
         "sgd": (sgd, 1),
         "floor": (sgd, 1),
+        "floor_b": (sgd, 1),
         "adascale": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS), 1),
         "multi4": (optax.MultiSteps(optax.sgd(lr, momentum=0.9), every_k_schedule=4), 4),
         "acc4": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, accumulation_steps=4), 4),
@@ -139,6 +148,11 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
             elif name == "floor":
                 extra = sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))
                 grads, extra = jax.lax.pmean((grads, extra), AXIS)
+            elif name == "floor_b":
+                extra = sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))
+                sums, extra = jax.lax.psum((grads, extra), AXIS)
+                extra = extra + sum(jnp.sum(s * s) for s in jax.tree.leaves(sums)) / (n * n)
+                grads = jax.tree.map(lambda s: s / n, sums)
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state, extra
 
@@ -222,6 +236,95 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
         "compile_ratio": {name: compile_s[name] / compile_s["sgd"] for name in compile_s},
         "hlo": hlo,
     }
+
+
+def _ratio(r: dict) -> str:
+    return f"{r['median']:.3f} ({r['min']:.2f}–{r['max']:.2f})"
+
+
+def write_report(files: list[Path], results_md: Path) -> Path:
+    """The "overhead" section of RESULTS.md from benchmark JSON files (the reading is kept)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import report
+
+    runs = [json.loads(f.read_text()) for f in files]
+    rows = [(run["meta"], row) for run in runs for row in run["results"]]
+    plot = plot_ratios([row for _, row in rows], results_md.parent / "plots" / "overhead_ratios.png")
+    out = ["## Overhead", "", "Commands (each writes one JSON file; `--report` turns them into this section):", ""]
+    out += [f"- `{run['meta']['command'].strip()}` on {run['meta']['device']}, host {run['meta']['host']}, "
+            f"{run['meta']['rounds']} rounds of {run['meta']['steps_per_block']} updates per block" for run in runs]
+    out += ["", report.kept_reading(results_md, "overhead"), ""]
+    out += [
+        "### Step time, as ratios to SGD + pmean (median over rounds, min–max)",
+        "",
+        "| mode | params | batch/device | floor | floor + ‖ḡ‖² pass | **adascale** | adascale / floor | "
+        "MultiSteps(4) per update | **accumulation 4** per update |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for _, row in rows:
+        r = row["ratios"]
+        floor_b = _ratio(r["floor_b"]) if "floor_b" in r else "–"
+        out.append(
+            f"| {row['mode']} | {row['params'] / 1e6:.1f}M | {row['per_device_batch']} | {_ratio(r['floor'])} | "
+            f"{floor_b} | **{_ratio(r['adascale'])}** | {r['adascale']['median'] / r['floor']['median']:.3f} | "
+            f"{_ratio(r['multi4'])} | **{_ratio(r['acc4'])}** |"
+        )
+    out += [
+        "",
+        "### Compiled-HLO facts",
+        "",
+        "All-reduces in the step (and how many run on every call: 0 means only inside the k-th call's branch), "
+        "passes over the largest gradient leaf (instructions in the entry computation reading / writing an "
+        "array of its shape: the forward and backward matmuls, the local norm, the all-reduce, the optimizer "
+        "update...), copies of arrays of 1024+ elements, host callbacks, optimizer-state bytes and compile time "
+        "relative to SGD.",
+        "",
+        "| mode | params | batch/device | variant | all-reduce (every call) | largest-leaf reads / writes | "
+        "large copies | host callbacks | state MB | compile × |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for _, row in rows:
+        if row["per_device_batch"] != min(r["per_device_batch"] for _, r in rows):
+            continue  # the HLO does not depend on the batch size beyond shapes
+        for name, h in row["hlo"].items():
+            p = h["largest_leaf_passes"]
+            out.append(
+                f"| {row['mode']} | {row['params'] / 1e6:.1f}M | {row['per_device_batch']} | {name} | "
+                f"{h['all_reduce']} ({h['all_reduce_every_call']}) | {p['reads']} / {p['writes']} | "
+                f"{h['large_copies']} | {h['host_callbacks']} | {h['state_bytes'] / 1e6:.1f} | "
+                f"{row['compile_ratio'][name]:.2f} |"
+            )
+    rel = plot.relative_to(results_md.parent)
+    out += ["", f"![step-time ratios]({rel})", "", f"`{rel}`: median step time over SGD + pmean (bars: min–max)."]
+    return report.write_section(results_md, "overhead", "\n".join(out))
+
+
+def plot_ratios(rows: list[dict], path: Path) -> Path:
+    """Grouped bars: each variant's median ratio to SGD + pmean per cell, min–max whiskers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = [v for v in ("floor", "floor_b", "adascale") if all(v in r["ratios"] for r in rows)]
+    labels = [f"{r['mode']}\n{r['params'] / 1e6:.0f}M, b{r['per_device_batch']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 3.6))
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        med = np.array([r["ratios"][v]["median"] for r in rows])
+        lo = med - np.array([r["ratios"][v]["min"] for r in rows])
+        hi = np.array([r["ratios"][v]["max"] for r in rows]) - med
+        xs = np.arange(len(rows)) + (i - (len(variants) - 1) / 2) * width
+        ax.bar(xs, med - 1, width, bottom=1, yerr=[lo, hi], capsize=2, label=v)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(np.arange(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("step time / SGD + pmean")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def print_row(row: dict) -> None:

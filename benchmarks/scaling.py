@@ -26,7 +26,7 @@ Usage::
     python benchmarks/scaling.py --smoke --out /tmp/scaling      # < 60 s, every code path
     python benchmarks/scaling.py --tune                  # the S = 1 learning-rate sweep
 
-Outputs: ``benchmarks/RESULTS_scaling.md`` and ``benchmarks/plots/scaling_*.png``
+Outputs: the "scaling" section of ``benchmarks/RESULTS.md`` and ``benchmarks/plots/scaling_*.png``
 (or under ``--out``).
 """
 
@@ -53,6 +53,7 @@ from jax import lax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import report  # noqa: E402
 import scaling_tasks  # noqa: E402
 
 import optax_adascale  # noqa: E402
@@ -654,7 +655,6 @@ def _save(fig, path, plt):
 # --------------------------------------------------------------------------- report
 
 
-READING_START, READING_END = "<!-- reading:start -->", "<!-- reading:end -->"
 PLOT_CAPTIONS = {
     "scaling_curves.png": "validation metric vs τ for AdaScale (top; the curves of all S should align, paper "
     "Fig. 3) and vs S·t for LSW (bottom); means over seeds.",
@@ -667,21 +667,14 @@ PLOT_CAPTIONS = {
 }
 
 
-def _kept_reading(path):
-    """The hand-written reading between the markers of an existing report, if any."""
-    if path.exists():
-        text = path.read_text()
-        if READING_START in text and READING_END in text:
-            return text[text.index(READING_START) : text.index(READING_END) + len(READING_END)]
-    return f"{READING_START}\n_(No reading written for these results yet.)_\n{READING_END}"
-
-
 def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_s, *, smoke=False):
-    """Write the markdown report; a reading between the markers of an existing report is kept."""
+    """Write the "scaling" section of ``path`` (RESULTS.md); its hand-written reading is kept."""
     rel = lambda p: os.path.relpath(p, path.parent)  # noqa: E731
-    reading = _kept_reading(path)
+    reading = report.kept_reading(path, "scaling")
     out = [
-        "# AdaScale vs. fixed scaling rules: a miniature of the paper's Table 2 and Figures 1-3",
+        "## Scaling",
+        "",
+        "AdaScale vs. fixed scaling rules: a miniature of the paper's Table 2 and Figures 1-3.",
         "",
         f"Command: `{command}` ({len(seeds)} seed{'s' if len(seeds) > 1 else ''}, "
         f"S ∈ {{{', '.join(map(str, scales))}}}; "
@@ -694,7 +687,7 @@ def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_
         "",
         reading,
         "",
-        "## Setup",
+        "### Setup",
         "",
         "S replicas are a `jax.vmap` axis, each with the base batch B (drawn i.i.d. with replacement); a whole run "
         "is one jitted program (`lax.scan` over evaluation checkpoints of `lax.while_loop` steps). For each seed "
@@ -735,8 +728,8 @@ def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_
             f"({n:,} batches): σ² off by {100 * err_sigma:+.2f} %, μ² by {100 * err_mu:+.2f} %.",
         ]
     for t in tasks:
-        out += ["", f"## {t.title} ({t.metric})", "", table(t, results, scales, seeds)]
-    out += ["", "## Elastic AdaScale: S = 2 → 4 → 8 at τ = T/4 and T/2", ""]
+        out += ["", f"### {t.title} ({t.metric})", "", table(t, results, scales, seeds)]
+    out += ["", "### Elastic AdaScale: S = 2 → 4 → 8 at τ = T/4 and T/2", ""]
     out += [
         "The optimizer state is carried over unchanged; only the vmap axis grows (AdaScale's statistics are in "
         "base-batch units).",
@@ -745,17 +738,16 @@ def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_
     ]
     out += [
         "",
-        "## Gain estimates (seed 0)",
+        "### Gain estimates (seed 0)",
         "",
         "Relative deviation of AdaScale's online gain from the reference (negative: the online gain is lower).",
         "",
         gain_error_table(tasks, results, scales, seeds[0]),
     ]
-    out += ["", "## Plots", ""]
+    out += ["", "### Plots", ""]
     for p in plot_paths:
         out += [f"- `{rel(p)}`: {PLOT_CAPTIONS.get(Path(p).name, '')}", "", f"  ![{Path(p).stem}]({rel(p)})", ""]
-    path.write_text("\n".join(out).rstrip() + "\n")
-    return path
+    return report.write_section(path, "scaling", "\n".join(out))
 
 
 # --------------------------------------------------------------------------- tuning
@@ -821,7 +813,7 @@ def main(argv=None):
     plot_paths = make_plots(tasks, results, scales, seeds, out / "plots")
     command = "python benchmarks/scaling.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     report = write_report(
-        out / "RESULTS_scaling.md",
+        out / "RESULTS.md",
         tasks,
         results,
         scales,

@@ -22,7 +22,7 @@ def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
-    report = (tmp_path / "RESULTS_scaling.md").read_text()
+    report = (tmp_path / "RESULTS.md").read_text()
     for method in ("AS", "LSW+", "LSW"):
         assert f"| {method} val. accuracy (%) |" in report
     for heading in ("MNIST-1D MLP", "digits MLP", "noisy linear regression", "Elastic AdaScale", "Gain estimates"):
