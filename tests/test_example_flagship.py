@@ -7,15 +7,12 @@ accuracies and losses (to the printed precision).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import helpers
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_mnist1d.py"
 BUDGET = 150  # the smoke budget T
 ROW = re.compile(
     r"^\s*(?P<S>\d+)\s+(?P<batch>\d+)\s+(?P<iterations>\d+)\s+(?P<tau>[\d.]+)\s+(?P<gain>[\d.]+)\s+"
@@ -26,15 +23,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def run_example(out: Path, *args: str) -> tuple[dict[int, dict[str, str]], Path]:
     """Run the smoke example; return its table rows by S and the PNG path."""
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--smoke", "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    stdout = helpers.run_example("train_mnist1d.py", "--smoke", "--out", str(out), *args)
+    lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["S", "batch", "iterations"])
     rows = {}
     for line in lines[header + 2 :]:
@@ -43,7 +33,7 @@ def run_example(out: Path, *args: str) -> tuple[dict[int, dict[str, str]], Path]
             break
         rows[int(match["S"])] = match.groupdict()
     png = out / "adascale_mnist1d.png"
-    assert f"wrote {png}" in result.stdout
+    assert f"wrote {png}" in stdout
     return rows, png
 
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nnx_quickstart.py"
+from helpers import run_example
+
 BUDGET = 100  # the smoke budget T
 ROW = re.compile(
     r"^(?P<run>\S.*?)\s+(?P<iterations>\d+)\s+(?P<tau>[\d.]+)\s+(?P<gain>[\d.]+)\s+(?P<acc>[\d.]+)%\s+[\d.]+$"
@@ -16,16 +13,9 @@ ROW = re.compile(
 
 
 def test_nnx_example_smoke():
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    rows = {m["run"]: m.groupdict() for m in map(ROW.match, result.stdout.splitlines()) if m}
-    assert list(rows) == ["S=1", "S=8, 8 micro-batches", "S=8, 8 shard_map replicas"], result.stdout
+    stdout = run_example("nnx_quickstart.py", "--smoke")
+    rows = {m["run"]: m.groupdict() for m in map(ROW.match, stdout.splitlines()) if m}
+    assert list(rows) == ["S=1", "S=8, 8 micro-batches", "S=8, 8 shard_map replicas"], stdout
     base, micro, replicas = rows.values()
     assert int(base["iterations"]) == BUDGET and float(base["gain"]) == 1.0
     assert float(micro["tau"]) >= BUDGET

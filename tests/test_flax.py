@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import jax_utils, nnx
 from flax.training import train_state as flax_train_state
+from helpers import synthetic_batches
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
@@ -48,13 +49,9 @@ def loss_fn(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-@functools.cache
 def data():
     """(STEPS, N, ROWS, ...) micro-batches: update t, sample i."""
-    kx, ky = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(kx, (STEPS, N, ROWS, DIM))
-    y = jax.random.randint(ky, (STEPS, N, ROWS), 0, CLASSES)
-    return np.asarray(x), np.asarray(y)
+    return synthetic_batches(STEPS, N, ROWS, DIM, CLASSES)
 
 
 def make_tx(**kw):

@@ -16,43 +16,27 @@ that array axis 0 is partitioned 8 times, but does not evenly divide the dimensi
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import DIM, synthetic_batches
+from helpers import init_mlp as init_params
+from helpers import mlp_loss as loss_fn
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 from optax_adascale import _hlo
 
-N, ROWS, STEPS, DIM, CLASSES = 8, 4, 6, 6, 3
+N, ROWS, STEPS = 8, 4, 6
 AXIS = "i"
 SCHEDULE = optax.exponential_decay(0.3, transition_steps=4, decay_rate=0.5)
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def init_params():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {
-        "hidden": {"w": jax.random.normal(k1, (DIM, 16)) * 0.5, "b": jnp.zeros(16)},
-        "out": {"w": jax.random.normal(k2, (16, CLASSES)) * 0.5, "b": jnp.zeros(CLASSES)},
-    }
-
-
-def loss_fn(params, x, y):
-    h = jnp.tanh(x @ params["hidden"]["w"] + params["hidden"]["b"])
-    logits = h @ params["out"]["w"] + params["out"]["b"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-@functools.cache
 def data():
     """(STEPS, N, ROWS, ...): update t, replica i."""
-    kx, ky = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(kx, (STEPS, N, ROWS, DIM))
-    y = jax.random.randint(ky, (STEPS, N, ROWS), 0, CLASSES)
-    return np.asarray(x), np.asarray(y)
+    return synthetic_batches(STEPS, N, ROWS)
 
 
 def make_replica_step(tx, microbatches, *, mark_varying):

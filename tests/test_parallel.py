@@ -13,41 +13,37 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import DIM, synthetic_batches
+from helpers import init_mlp as init_params
+from helpers import mlp_loss as loss_fn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 from optax_adascale import _hlo
 
-N, ROWS, STEPS, DIM, CLASSES = 8, 4, 20, 6, 3
+N, ROWS, STEPS = 8, 4, 20
 SCHEDULE = optax.exponential_decay(0.3, transition_steps=10, decay_rate=0.5)
 
 
-def init_params():
-    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-    return {
-        "hidden": {"w": jax.random.normal(k1, (DIM, 16)) * 0.5, "b": jnp.zeros(16)},
-        "out": {"w": jax.random.normal(k2, (16, CLASSES)) * 0.5, "b": jnp.zeros(CLASSES)},
-    }
-
-
-def loss_fn(params, x, y):
-    h = jnp.tanh(x @ params["hidden"]["w"] + params["hidden"]["b"])
-    logits = h @ params["out"]["w"] + params["out"]["b"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-@functools.cache
 def data():
     """(STEPS, N, ROWS, ...) micro-batches: update t, sample i."""
-    kx, ky = jax.random.split(jax.random.PRNGKey(1))
-    x = jax.random.normal(kx, (STEPS, N, ROWS, DIM))
-    y = jax.random.randint(ky, (STEPS, N, ROWS), 0, CLASSES)
-    return np.asarray(x), np.asarray(y)
+    return synthetic_batches(STEPS, N, ROWS)
 
 
 def make_tx(**kw):
     return optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, **kw)
+
+
+def plain_step(tx):
+    """One step on this replica's gradient; the transformation does the reduction."""
+
+    def step(params, state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
 
 
 def record(params, state, log):
@@ -55,38 +51,28 @@ def record(params, state, log):
     log.append((float(m["gain"]), float(m["scale_invariant_steps"])))
 
 
-def run_vmap():
-    tx = make_tx(axis_name="i")
+def train(step, tx, put=lambda a: a):
+    """Run ``step`` over the 20 updates (one call each) from fresh params; log gain and τ."""
     params, log = init_params(), []
     state = tx.init(params)
-
-    def step(params, state, x, y):
-        grads = jax.grad(loss_fn)(params, x, y)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    step = jax.jit(jax.vmap(step, in_axes=(None, None, 0, 0), out_axes=(None, None), axis_name="i"))
     for x, y in zip(*data()):
-        params, state = step(params, state, x, y)
+        params, state = step(params, state, put(x), put(y))
         record(params, state, log)
     return params, log
+
+
+def vmapped(tx):
+    return jax.jit(jax.vmap(plain_step(tx), in_axes=(None, None, 0, 0), out_axes=(None, None), axis_name="i"))
+
+
+def run_vmap():
+    tx = make_tx(axis_name="i")
+    return train(vmapped(tx), tx)
 
 
 def run_pmap():
     tx = make_tx(axis_name="i")
-    params, log = init_params(), []
-    state = tx.init(params)
-
-    def step(params, state, x, y):
-        grads = jax.grad(loss_fn)(params, x, y)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    step = jax.pmap(step, axis_name="i", in_axes=(None, None, 0, 0), out_axes=(None, None))
-    for x, y in zip(*data()):
-        params, state = step(params, state, x, y)
-        record(params, state, log)
-    return params, log
+    return train(jax.pmap(plain_step(tx), axis_name="i", in_axes=(None, None, 0, 0), out_axes=(None, None)), tx)
 
 
 def shard_map_run(mesh, axis, tx, *, pcast=True, check_vma=True, micro=1, state=None):
@@ -144,22 +130,9 @@ def run_shard_map_2d_mesh():
 
 
 def run_gspmd():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))  # Auto axes
     tx = make_tx(axis_name="i")
-    params, log = init_params(), []
-    state = tx.init(params)
-
-    def step(params, state, x, y):
-        grads = jax.grad(loss_fn)(params, x, y)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    step = jax.jit(jax.vmap(step, in_axes=(None, None, 0, 0), out_axes=(None, None), axis_name="i"))
-    sharding = NamedSharding(mesh, P("i"))
-    for x, y in zip(*data()):
-        params, state = step(params, state, jax.device_put(x, sharding), jax.device_put(y, sharding))
-        record(params, state, log)
-    return params, log
+    return train(vmapped(tx), tx, put=lambda a: jax.device_put(a, NamedSharding(mesh, P("i"))))
 
 
 def run_accumulation():
@@ -167,11 +140,7 @@ def run_accumulation():
     params, log = init_params(), []
     state = tx.init(params)
 
-    @jax.jit
-    def step(params, state, x, y):
-        grads = jax.grad(loss_fn)(params, x, y)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    step = jax.jit(plain_step(tx))
 
     for xs, ys in zip(*data()):
         for x, y in zip(xs, ys):
@@ -216,12 +185,7 @@ def run_vmap_times_accumulation():
     state = optax_adascale.replicate_buffers(tx.init(params), 4)
     axes = optax_adascale.state_axes(state)
 
-    def step(params, state, x, y):
-        grads = jax.grad(loss_fn)(params, x, y)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    step = jax.jit(jax.vmap(step, in_axes=(None, axes, 0, 0), out_axes=(None, axes), axis_name="i"))
+    step = jax.jit(jax.vmap(plain_step(tx), in_axes=(None, axes, 0, 0), out_axes=(None, axes), axis_name="i"))
     for x, y in zip(*data()):
         for call in range(2):
             params, state = step(params, state, x[call::2], y[call::2])
