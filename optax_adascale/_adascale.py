@@ -239,7 +239,9 @@ def adascale(
     (``optax.trace(0.9)``, ``optax.identity()``, a chain with
     ``optax.add_decayed_weights`` or ``optax.clip_by_global_norm``).
     Transformations chained *before* AdaScale see per-replica gradients:
-    clipping and ``optax.apply_if_finite`` belong inside ``inner``.
+    clipping belongs inside ``inner``; ``optax.apply_if_finite`` is redundant
+    there (AdaScale skips non-finite steps itself); for gradient
+    accumulation use ``accumulation_steps``, not ``optax.MultiSteps``.
 
     A non-finite ``ḡ``, statistic or effective learning rate (or a negative
     one from the schedule) skips the update: zero updates, state unchanged

@@ -226,3 +226,36 @@ def test_clipping_chained_before_adascale_sees_per_replica_gradients():
     _, unclipped_state = vmapped(alone)(grads, alone.init(params), params)
     assert optax_adascale.metrics(state)["gain"] == optax_adascale.metrics(ref_state)["gain"]
     assert optax_adascale.metrics(state)["grad_sqr"] != optax_adascale.metrics(unclipped_state)["grad_sqr"]
+
+
+def test_apply_if_finite_inside_inner_is_harmless_and_superseded_by_the_skip():
+    tx = optax_adascale.adascale(optax.apply_if_finite(optax.trace(0.9), 3), 0.1, axis_name="i")
+    params = params_tree()
+    state = tx.init(params)
+    _, state = vmapped(tx)(replica_grads(params, seed=0), state, params)
+    bad = replica_grads(params, seed=1)
+    bad["a"] = bad["a"].at[0, 0].set(jnp.nan)
+    updates, after = vmapped(tx)(bad, state, params)
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+    # AdaScale skipped the step and kept the inner state, apply_if_finite's counters included.
+    assert int(after.skipped_steps) == 1 and int(after.inner_state.total_notfinite) == 0
+
+
+def test_multisteps_inside_inner_is_not_accumulation():
+    # Documented pitfall: with optax.MultiSteps inside `inner` every call is an AdaScale update, so τ
+    # advances on every call although the parameters move every k-th call. accumulation_steps=k is
+    # the right tool: one update, one gain, per k calls.
+    params = params_tree()
+    wrong = optax_adascale.adascale(optax.MultiSteps(optax.trace(0.9), 2).gradient_transformation(), 0.1,
+                                    axis_name="i")
+    right = optax_adascale.adascale(optax.trace(0.9), 0.1, axis_name="i", accumulation_steps=2)
+    s_wrong = wrong.init(params)
+    s_right = optax_adascale.replicate_buffers(right.init(params), 4)
+    axes = optax_adascale.state_axes(s_right)
+    step_right = jax.vmap(right.update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")
+    for seed in range(2):
+        _, s_wrong = vmapped(wrong)(replica_grads(params, seed=seed), s_wrong, params)
+        _, s_right = step_right(replica_grads(params, seed=seed), s_right, params)
+    assert int(optax_adascale.get_adascale_state(s_wrong).count) == 2
+    assert int(optax_adascale.get_adascale_state(s_right).count) == 1
+    assert float(optax_adascale.metrics(s_right)["scale"]) == 8.0  # 4 replicas × 2 calls
