@@ -19,8 +19,6 @@ from optax_adascale import _estimator as est
 Array = jax.Array
 ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
 
-_REFERENCE = "Johnson et al., AdaScale SGD, ICML 2020, https://arxiv.org/abs/2007.05105"
-
 
 class AdaScaleState(NamedTuple):
     """State of :func:`adascale`. All scalars are per update, identical on every replica.

@@ -1,9 +1,9 @@
-"""Where AdaScale's statistics come from: local squared norms and the one pmean.
+"""Where AdaScale's statistics come from: local squared norms and the one collective.
 
-Everything that touches named axes lives here: the axis size, the check that
-shard_map gradients were not already summed, the single ``lax.pmean`` of
-``(gradients, squared norms)``, the varying-type bookkeeping for ``lax.cond``
-under shard_map, and the within-step micro-batching helper.
+Everything that touches named axes lives here: the axis size, the checks for
+summed shard_map gradients and Explicit-mesh vmap axes, the single ``lax.psum``
+of ``(gradients, squared norms)``, the varying-type bookkeeping for
+``lax.cond`` under shard_map, and the within-step micro-batching helper.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _vma_checked(name: str) -> bool:
     return name in varying_axes(lax.axis_index(name))
 
 
-def check_not_summed(grads: Any, axis_name: AxisName | None, arg: str = "grads") -> None:
+def check_not_summed(grads: Any, axis_name: AxisName | None) -> None:
     """Raise if shard_map's autodiff already summed the gradients over the axis.
 
     Inside ``jax.shard_map``, ``jax.grad`` with respect to replicated
@@ -85,7 +85,7 @@ def check_not_summed(grads: Any, axis_name: AxisName | None, arg: str = "grads")
             if name not in varying_axes(leaf):
                 where = jax.tree_util.keystr(path) or "<root>"
                 raise ValueError(
-                    f"{arg}{where} does not vary over the shard_map axis {name!r}: "
+                    f"grads{where} does not vary over the shard_map axis {name!r}: "
                     "jax.grad with respect to replicated parameters inside shard_map "
                     "returns gradients already summed over the axis. Mark the parameters "
                     f"varying before differentiating: params = jax.lax.pcast(params, "
