@@ -84,12 +84,12 @@ def ema_rate(
     Returns:
       ``(α_t, w_t)``; ``w_t`` is carried in the state for both modes.
     """
-    one_minus = jnp.float32(1.0) - jnp.asarray(smoothing, jnp.float32)
-    new_weight = (jnp.float32(1.0) - one_minus) * weight + one_minus
+    theta = jnp.asarray(smoothing, jnp.float32)
+    new_weight = theta * weight + (1 - theta)
     if averaging == DEBIASED:
-        alpha = one_minus / new_weight
+        alpha = (1 - theta) / new_weight
     elif averaging == PAPER:
-        alpha = jnp.maximum(jnp.float32(1.0) / count.astype(jnp.float32), one_minus)
+        alpha = jnp.maximum(1 / count.astype(jnp.float32), 1 - theta)
     else:
         raise ValueError(f"averaging must be one of {AVERAGING_MODES}, got averaging={averaging!r}")
     return alpha, new_weight
