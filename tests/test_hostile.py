@@ -185,6 +185,20 @@ def test_replica_gradient_of_1e30_is_skipped_not_propagated():
     assert_skipped(state, after, updates)
 
 
+def test_bfloat16_gradient_near_its_maximum_is_skipped_not_propagated():
+    # bf16 shares float32's range: a squared norm of entries near 3e38 has no finite float32 value,
+    # so the statistic is non-finite and the step is skipped (and counted), never half-applied.
+    params = {"w": jnp.ones(3, jnp.bfloat16)}
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i")
+    state = tx.init(params)
+    _, state = vmap_update(tx)(noisy(params, 0), state, params)
+    grads = noisy(params, 1)
+    grads["w"] = grads["w"].at[2, 1].set(jnp.bfloat16(3.0e38))
+    assert bool(jnp.all(jnp.isfinite(grads["w"])))
+    updates, after = vmap_update(tx)(grads, state, params)
+    assert_skipped(state, after, updates)
+
+
 # --------------------------------------------------------------------------- mixed precision
 
 
