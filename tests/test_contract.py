@@ -28,6 +28,19 @@ def replica_grads(params, n=4, seed=0):
     return treedef.unflatten(noisy)
 
 
+def assert_same_updates(tx_a, tx_b, *, steps, rtol):
+    """Train both transformations on the same single-replica gradients; updates must agree every step."""
+    params = params_tree()
+    s_a, s_b = tx_a.init(params), tx_b.init(params)
+    for seed in range(steps):
+        grads = jax.tree.map(lambda x: x[0], replica_grads(params, n=1, seed=seed))
+        u_a, s_a = jax.jit(tx_a.update)(grads, s_a, params)
+        u_b, s_b = jax.jit(tx_b.update)(grads, s_b, params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=0), u_a, u_b)
+        params = optax.apply_updates(params, u_a)
+    return s_a, s_b
+
+
 def test_extra_args_are_accepted_and_forwarded_to_inner():
     seen = {}
 
@@ -151,14 +164,7 @@ def test_scale_one_is_exactly_the_inner_optimizer(nesterov):
     schedule = optax.exponential_decay(0.1, transition_steps=3, decay_rate=0.5)
     ours = optax_adascale.adascale_sgd(schedule, momentum=0.9, nesterov=nesterov, weight_decay=1e-2)
     theirs = optax.chain(optax.add_decayed_weights(1e-2), optax.sgd(schedule, momentum=0.9, nesterov=nesterov))
-    params = params_tree()
-    s_ours, s_theirs = ours.init(params), theirs.init(params)
-    for seed in range(7):
-        grads = jax.tree.map(lambda x: x[0], replica_grads(params, n=1, seed=seed))
-        u_ours, s_ours = jax.jit(ours.update)(grads, s_ours, params)
-        u_theirs, s_theirs = jax.jit(theirs.update)(grads, s_theirs, params)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-7, atol=0), u_ours, u_theirs)
-        params = optax.apply_updates(params, u_ours)
+    s_ours, _ = assert_same_updates(ours, theirs, steps=7, rtol=1e-7)
     m = optax_adascale.metrics(s_ours)
     assert float(m["gain"]) == 1.0 and float(m["scale_invariant_steps"]) == 7.0
     assert float(m["learning_rate"]) == pytest.approx(float(schedule(6)))
@@ -172,19 +178,14 @@ def test_inject_hyperparams_with_structural_args_static():
     plain = optax_adascale.adascale_sgd(
         optax.linear_schedule(0.2, 0.05, 10), 0.9, weight_decay=1e-3, accumulation_steps=2
     )
-    params = params_tree()
-    s_inj, s_plain = injected.init(params), plain.init(params)
-    for seed in range(6):
-        grads = jax.tree.map(lambda x: x[0], replica_grads(params, n=1, seed=seed))
-        u_inj, s_inj = jax.jit(injected.update)(grads, s_inj, params)
-        u_plain, s_plain = jax.jit(plain.update)(grads, s_plain, params)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), u_inj, u_plain)
+    s_inj, s_plain = assert_same_updates(injected, plain, steps=6, rtol=1e-6)
     np.testing.assert_allclose(
         optax_adascale.metrics(s_inj)["scale_invariant_steps"], optax_adascale.metrics(s_plain)["scale_invariant_steps"]
     )
     # The injected momentum is a live hyperparameter.
+    params = params_tree()
     s_inj.hyperparams["momentum"] = jnp.asarray(0.0)
-    assert injected.update(grads, s_inj, params)[1].hyperparams["momentum"] == 0.0
+    assert injected.update(params, s_inj, params)[1].hyperparams["momentum"] == 0.0
 
 
 def test_chaining_after_adascale_and_reading_state_through_the_chain():
