@@ -5,10 +5,11 @@ Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
 """
 
 from optax_adascale import scaling_rules
-from optax_adascale._adascale import (
-    AdaScaleState,
-    adascale,
-    adascale_sgd,
+from optax_adascale._adascale import AdaScaleState, adascale
+from optax_adascale._alias import adascale_sgd
+from optax_adascale._microbatch import MicrobatchStats, value_and_microbatch_grad
+from optax_adascale._state import (
+    done,
     get_adascale_state,
     metrics,
     replicate_buffers,
@@ -17,15 +18,18 @@ from optax_adascale._adascale import (
     state_partition_specs,
     transfer_state,
 )
-from optax_adascale._collect import MicrobatchStats, value_and_microbatch_grad
+from optax_adascale._zero import ShardedInnerState, clip_by_global_norm
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = (
     "AdaScaleState",
     "MicrobatchStats",
+    "ShardedInnerState",
     "adascale",
     "adascale_sgd",
+    "clip_by_global_norm",
+    "done",
     "get_adascale_state",
     "metrics",
     "replicate_buffers",

@@ -1,25 +1,28 @@
-"""Where AdaScale's statistics come from: local squared norms and the one collective.
+"""Where AdaScale's statistics come from: local squared norms, the named axes and the one collective.
 
-Everything that touches named axes lives here: the axis size, the checks for
-summed shard_map gradients and Explicit-mesh vmap axes, the single ``lax.psum``
-of ``(gradients, squared norms)``, the varying-type bookkeeping for
-``lax.cond`` under shard_map, and the within-step micro-batching helper.
+Everything that touches named axes lives here: which axes are data axes (they
+define the replicas) and which are model axes (a parameter split over them is
+one replica's parameter in pieces), the checks that read shard_map's varying
+types, and the reduction: one ``lax.psum`` of ``(gradients, squared norms)`` over
+the data axes, plus, only where parameters are split over model axes, one
+scalar-sized ``psum`` of the statistics over those axes.
 """
 
-from __future__ import annotations
-
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from optax_adascale import _groups
+
 Array = jax.Array
 AxisName = str | tuple[str, ...]
-
 STAT_DTYPE = jnp.float32
+
+# --------------------------------------------------------------------------- named axes
 
 
 def axis_names(axis_name: AxisName | None) -> tuple[str, ...]:
@@ -52,53 +55,124 @@ def axis_size(axis_name: AxisName | None) -> int:
 
 
 def varying_axes(x: Any) -> frozenset[str]:
-    """The manual axes ``x`` varies over (shard_map's type system); empty elsewhere."""
+    """The manual axes ``x`` varies over (shard_map's varying type); empty where JAX records none.
+
+    The one place that reads the type: ``manual_axis_type.varying`` (JAX 0.10),
+    ``vma`` (other versions); neither present means no information.
+    """
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
+    if mat is not None and hasattr(mat, "varying"):
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", ()))
 
 
-def _vma_checked(name: str) -> bool:
-    """Whether shard_map tracks varying types for ``name`` here.
+def vma_checked(name: str) -> bool:
+    """Whether shard_map tracks varying types for axis ``name`` here.
 
     ``axis_index`` always varies over its axis; it only *reads* as varying under
     ``jax.shard_map(..., check_vma=True)``. Under pmap, vmap or
-    ``check_vma=False`` everything reads unvarying, so the summed-gradient check
-    must stay silent there.
+    ``check_vma=False`` everything reads unvarying, so checks built on the
+    types must stay silent there.
     """
-    return name in varying_axes(lax.axis_index(name))
+    try:
+        return name in varying_axes(lax.axis_index(name))
+    except NameError:
+        return False
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The manual mesh axes at the call site (shard_map and pmap axes), in mesh order."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        return tuple(getattr(mesh, "manual_axes", ()))
+    except Exception:  # noqa: BLE001 - no mesh context API: nothing to report
+        return ()
+
+
+# --------------------------------------------------------------------------- checks on varying types
+
+
+def _where(path: Any) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
 
 
 def check_not_summed(grads: Any, axis_name: AxisName | None) -> None:
-    """Raise if shard_map's autodiff already summed the gradients over the axis.
+    """Raise if the gradients reaching ``update`` do not vary over a (type-checked) data axis.
 
     Inside ``jax.shard_map``, ``jax.grad`` with respect to replicated
-    (unvarying) parameters returns the gradient *summed* over the axis. The
-    leaves then read as unvarying; genuine per-replica gradients vary.
+    (unvarying) parameters returns the gradient *summed* over the axis; a
+    ``psum``/``pmean`` by the user, or an ``optax.MultiSteps`` around AdaScale,
+    reduces it too. Genuine per-replica gradients vary.
     """
     for name in axis_names(axis_name):
-        if not _vma_checked(name):
+        if not vma_checked(name):
             continue
         for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
             if name not in varying_axes(leaf):
-                where = jax.tree_util.keystr(path) or "<root>"
                 raise ValueError(
-                    f"grads{where} does not vary over the shard_map axis {name!r}: "
-                    "jax.grad with respect to replicated parameters inside shard_map "
-                    "returns gradients already summed over the axis. Mark the parameters "
-                    f"varying before differentiating: params = jax.lax.pcast(params, "
-                    f"{name!r}, to='varying'), then pass the local gradients to update()."
+                    f"grads{_where(path)} does not vary over the shard_map axis {name!r}: these are not "
+                    "per-replica gradients, and AdaScale needs each replica's own gradient to estimate "
+                    "the noise. Causes: (1) jax.grad with respect to replicated parameters inside "
+                    "shard_map returns gradients already summed over the axis; mark the parameters "
+                    f"varying before differentiating: jax.lax.pcast(params, {name!r}, to='varying'); "
+                    "(2) the gradients were reduced before update (jax.lax.psum/pmean): pass the local "
+                    "gradients, AdaScale reduces them itself; (3) optax.MultiSteps around AdaScale: use "
+                    "adascale(..., accumulation_steps=k) instead."
                 )
+
+
+def check_grads_follow_params(grads: Any, params: Any, axis_name: AxisName | None) -> None:
+    """Raise where a gradient varies over a shard_map axis that neither its parameter nor ``axis_name`` has.
+
+    With ``axis_name=None`` that is data parallelism without a reduction (JAX
+    would fail at ``out_specs`` with advice, ``check_vma=False``, that makes
+    every replica train alone). With a model axis it is a replicated
+    parameter differentiated as if it were split (it was ``pcast`` over the
+    model axis), whose squared norm would be counted once per shard.
+    """
+    if params is None:
+        return
+    data = set(axis_names(axis_name))
+    for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params), strict=True):
+        extra = sorted(varying_axes(g) - varying_axes(p) - data)
+        if not extra:
+            continue
+        if not data:
+            raise ValueError(
+                f"grads{_where(path)} varies over the shard_map axes {extra} but the parameters and "
+                "axis_name=None do not: each replica would train on its own gradients. For data "
+                f"parallelism pass axis_name={extra[0]!r} (AdaScale then reduces the gradients and "
+                "estimates the noise from them)."
+            )
+        raise ValueError(
+            f"grads{_where(path)} varies over {extra} but its parameter does not (it is replicated over "
+            f"{extra}): the parameters were pcast over more than the data axes {sorted(data)} before "
+            f"jax.grad. Cast over the data axes only, jax.lax.pcast(params, {tuple(sorted(data))!r}, "
+            "to='varying'): shard_map's autodiff then sums a replicated parameter's gradient over the "
+            "model axes for you."
+        )
+
+
+def check_buffers_per_replica(acc_sq_norm: Array, axis_name: AxisName | None) -> None:
+    """Raise if accumulation buffers under shard_map are shared by the replicas (no ``replicate_buffers``)."""
+    for name in axis_names(axis_name):
+        if vma_checked(name) and name not in varying_axes(acc_sq_norm):
+            raise ValueError(
+                f"accumulation_steps > 1 under jax.shard_map needs per-replica accumulation buffers, but "
+                f"opt_state's buffers do not vary over {name!r}. Give each replica its own: "
+                "opt_state = optax_adascale.replicate_buffers(tx.init(params), num_replicas), and pass "
+                f"optax_adascale.state_partition_specs(opt_state, {axis_name!r}) as the state's in_specs "
+                "and out_specs."
+            )
 
 
 def check_vmap_axis_not_explicit(grads: Any, axis_name: AxisName | None) -> None:
     """Raise a clear error where JAX 0.10 would fail obscurely: a reduction over a vmap axis whose
     inputs are sharded on an Explicit mesh axis (``jax.make_mesh``'s default) under jit.
 
-    Reads JAX internals (the batching trace of the gradient leaves); if they
-    change, the check silently does nothing and JAX's own error remains.
+    Reads JAX internals (the batching trace of the gradient leaves) behind a
+    feature test: if they move, the check does nothing and JAX's own error remains.
     """
     names = set(axis_names(axis_name))
     if not names:
@@ -107,12 +181,15 @@ def check_vmap_axis_not_explicit(grads: Any, axis_name: AxisName | None) -> None
         from jax._src.interpreters import batching
     except ImportError:  # pragma: no cover - internals moved
         return
+    batch_trace = getattr(batching, "BatchTrace", None)
+    if batch_trace is None:  # pragma: no cover - internals moved
+        return
     found = {}
     for leaf in jax.tree.leaves(grads):
         trace = getattr(leaf, "_trace", None)
         while trace is not None:
-            data = getattr(trace, "axis_data", None) if isinstance(trace, batching.BatchTrace) else None
-            if data is not None and data.name in names and getattr(data, "explicit_mesh_axis", None):
+            data = getattr(trace, "axis_data", None) if isinstance(trace, batch_trace) else None
+            if data is not None and getattr(data, "name", None) in names and getattr(data, "explicit_mesh_axis", None):
                 found[data.name] = data.explicit_mesh_axis
             trace = getattr(trace, "parent_trace", None)
     if found:
@@ -122,6 +199,173 @@ def check_vmap_axis_not_explicit(grads: Any, axis_name: AxisName | None) -> None
             "(jax.sharding.Mesh(devices, names), or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))), "
             "wrap the vmapped step in jax.sharding.auto_axes under jax.set_mesh(mesh), or use jax.shard_map."
         )
+
+
+# --------------------------------------------------------------------------- model axes
+
+
+def _spec_axes(spec: Any) -> frozenset[str]:
+    names: set[str] = set()
+    for entry in tuple(spec or ()):
+        if entry is None:
+            continue
+        names.update((entry,) if isinstance(entry, str) else tuple(entry))
+    return frozenset(names)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec) or x is None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAxes:
+    """Which model axes each leaf is split over; ``axes`` is their union (in mesh order).
+
+    A leaf split over model axes ``A`` has partial squared norms on each
+    device; summing over ``A`` gives the replica's. A leaf replicated over a
+    model axis holds the whole value on every shard of it: its contribution is
+    kept on shard 0 of that axis only, so that one ``psum`` over all model axes
+    counts every leaf once.
+    """
+
+    axes: tuple[str, ...] = ()
+    leaf_axes: tuple[frozenset[str], ...] = ()
+
+    def mask(self, values: Sequence[Array]) -> list[Array]:
+        """Per-leaf scalars, each zeroed off shard 0 of the model axes its leaf is replicated over."""
+        if not self.axes:
+            return list(values)
+        out = []
+        for value, split in zip(values, self.leaf_axes, strict=True):
+            for name in self.axes:
+                if name not in split:
+                    value = jnp.where(lax.axis_index(name) == 0, value, jnp.zeros_like(value))
+            out.append(value)
+        return out
+
+    def psum(self, x: Any) -> Any:
+        """The one scalar-sized collective over the model axes (a no-op without them)."""
+        if not self.axes:
+            return x
+        return lax.psum(x, self.axes)
+
+
+def model_axes(
+    grads: Any, params: Any, axis_name: AxisName | None, param_specs: Any = None
+) -> ModelAxes:
+    """The model axes of every leaf: from ``param_specs`` if given, else the parameters' varying types.
+
+    A parameter that varies over a manual axis other than the data axes is
+    split over it (tensor parallelism). Where the types carry no information
+    (``check_vma=False``, pmap) the layout comes from ``param_specs``; if the
+    mesh has manual axes besides the data axes and nothing declares how the
+    parameters lie on them, raise.
+    """
+    data = frozenset(axis_names(axis_name))
+    manual = manual_axes()
+    leaves = jax.tree.leaves(grads)
+    if param_specs is not None:
+        try:
+            specs = jax.tree.structure(grads).flatten_up_to(param_specs)
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                "param_specs must be PartitionSpecs shaped like the params (as passed to shard_map's "
+                f"in_specs), got param_specs={param_specs!r}"
+            ) from err
+        # Axes that are not manual here (Auto axes of a partial-manual shard_map) are the partitioner's.
+        split = [frozenset(a for a in _spec_axes(s) - data if a in manual) for s in specs]
+    elif params is not None:
+        split = [varying_axes(p) - data for p in jax.tree.leaves(params)]
+    else:
+        split = [frozenset()] * len(leaves)
+        extra = sorted(set().union(*(varying_axes(g) for g in leaves)) - data) if leaves else []
+        if extra:
+            raise ValueError(
+                f"grads vary over the shard_map axes {extra} besides the data axes {sorted(data)}: pass "
+                "params to update (tx.update(grads, opt_state, params)) so that AdaScale can tell "
+                "parameters split over those axes from replicated ones."
+            )
+    if param_specs is None:
+        others = [a for a in manual if a not in data]
+        unchecked = [a for a in others if not vma_checked(a)]
+        if unchecked:
+            raise ValueError(
+                f"the mesh has manual axes {unchecked} besides the data axes {sorted(data)}, and here "
+                "(shard_map with check_vma=False, or pmap) JAX records no varying types, so AdaScale "
+                "cannot tell which parameters are split over them. Pass param_specs= (the params' "
+                "PartitionSpecs, as given to shard_map's in_specs), or use check_vma=True."
+            )
+    axes = tuple(a for a in manual if any(a in s for s in split))
+    return ModelAxes(axes, tuple(split))
+
+
+# --------------------------------------------------------------------------- squared norms
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """Dtype a leaf is scaled and accumulated in: float32/complex64 or wider."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.promote_types(dtype, jnp.complex64)
+    return dtype if jnp.finfo(dtype).bits > 32 else jnp.dtype(STAT_DTYPE)
+
+
+def leaf_sq_norm(x: Array) -> Array:
+    """``‖x‖² = Σ|x|²`` in float32, squared after the upcast so f16/bf16 cannot overflow."""
+    x = x.astype(compute_dtype(x.dtype))
+    if jnp.iscomplexobj(x):
+        sq = jnp.real(x) * jnp.real(x) + jnp.imag(x) * jnp.imag(x)
+    else:
+        sq = x * x
+    return jnp.sum(sq).astype(STAT_DTYPE)
+
+
+def _low(x: Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16
+
+
+def reduce_statistics(
+    grads: Any, local_sq: Array, axis_name: AxisName | None, groups: _groups.Groups, model: ModelAxes
+) -> tuple[Any, Array, Array]:
+    """The gradient's reduction, and ``‖ḡ‖²`` read straight off its output.
+
+    One ``lax.psum`` of ``(grads, local_sq)`` over the data axes (XLA emits one
+    all-reduce, as for SGD + pmean). The squared norm of the mean is taken on
+    the *sum* and divided by ``n²``, and the mean ``ḡ = sum/n`` is handed on as
+    an expression: XLA then fuses the division into the optimizer update
+    instead of materializing ``ḡ``. 16-bit floats are divided by ``n``
+    *before* the sum so that values near the float16 maximum cannot overflow.
+    With model axes, the per-group ``a`` and ``b`` (partial sums on each
+    shard) are then summed over them in one scalar-sized ``psum``.
+
+    Args:
+      grads: this replica's gradients (its mean over its samples).
+      local_sq: float32 ``[G]``, this replica's mean squared sample norm per group
+        (already masked by ``model.mask`` where leaves are replicated over model axes).
+      axis_name: the data axes, or ``None``.
+      groups: the parameter groups.
+      model: the model axes of every leaf.
+
+    Returns:
+      ``(ḡ, a, b)``: the mean gradient, ``a`` = mean of the replicas' ``local_sq``
+      (float32 ``[G]``), ``b = ‖ḡ‖²`` per group (float32 ``[G]``).
+    """
+    if axis_name is None:
+        mean, a = grads, local_sq
+        b_leaves = [leaf_sq_norm(g) for g in jax.tree.leaves(grads)]
+    else:
+        n = axis_size(axis_name)
+        sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if _low(x) else x, grads), local_sq), axis_name)
+        b_leaves = [leaf_sq_norm(s) if _low(s) else leaf_sq_norm(s) / (n * n) for s in jax.tree.leaves(sums)]
+        mean = jax.tree.map(lambda s: s if _low(s) else s / n, sums)
+        a = sq_sum / n
+    b = groups.sums(model.mask(b_leaves))
+    if model.axes:
+        a, b = model.psum((a, b))
+    return mean, a, b
+
+
+# --------------------------------------------------------------------------- varying types under lax.cond
 
 
 def match_varying(x: Any, like: Any) -> Any:
@@ -141,144 +385,6 @@ def match_varying(x: Any, like: Any) -> Any:
     return jax.tree.map(cast, x, like)
 
 
-def fresh_zeros(x: Any) -> Array:
-    """Zeros with ``x``'s shape, dtype and sharding, but not its varying type (a new, replica-invariant value)."""
-    return jnp.zeros(x.shape, x.dtype, out_sharding=jax.typeof(x).sharding)
-
-
-def stat_dtype(dtype: Any) -> Any:
-    """Dtype statistics are computed in: float32, or wider if the input is wider."""
-    return jnp.dtype(dtype) if jnp.finfo(dtype).bits > 32 else jnp.dtype(STAT_DTYPE)
-
-
-def leaf_sq_norm(x: Array) -> Array:
-    """``‖x‖²`` in float32 (or wider), squared after the upcast so f16/bf16 cannot overflow."""
-    x = x.astype(stat_dtype(x.dtype))
-    return jnp.sum(x * x).astype(STAT_DTYPE)
-
-
-def group_sums(values: Sequence[Array], groups: Sequence[int], num_groups: int) -> Array:
-    """Sum per-leaf scalars into a float32 ``[G]`` vector by group index."""
-    totals = [jnp.zeros((), STAT_DTYPE) for _ in range(num_groups)]
-    for value, group in zip(values, groups, strict=True):
-        totals[group] = totals[group] + value.astype(STAT_DTYPE)
-    return jnp.stack(totals)
-
-
-def reduce_statistics(
-    grads: Any, local_sq: Array, axis_name: AxisName | None, leaf_group: Sequence[int], num_groups: int
-) -> tuple[Any, Array, Array]:
-    """The one collective, and ``‖ḡ‖²`` read straight off its output.
-
-    One ``lax.psum`` of ``(grads, local_sq)`` (XLA emits one all-reduce). The
-    squared norm of the mean is taken on the *sum* and divided by ``n²``, and
-    the mean ``ḡ = sum/n`` is handed on as an expression: XLA then fuses the
-    division into the optimizer update instead of materializing ``ḡ`` for its
-    two consumers. 16-bit floats are divided by ``n`` *before* the sum so that
-    values near the float16 maximum cannot overflow in the reduction.
-
-    Returns:
-      ``(ḡ, a, b)``: the mean gradient, ``a`` = mean of the local squared norms
-      (float32 ``[G]``), ``b = ‖ḡ‖²`` per group (float32 ``[G]``).
-    """
-    if axis_name is None:
-        b = group_sums([leaf_sq_norm(g) for g in jax.tree.leaves(grads)], leaf_group, num_groups)
-        return grads, local_sq, b
-    n = axis_size(axis_name)
-    low = lambda x: jnp.finfo(x.dtype).bits <= 16
-    sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if low(x) else x, grads), local_sq), axis_name)
-    leaves = jax.tree.leaves(sums)
-    b = group_sums([leaf_sq_norm(s) if low(s) else leaf_sq_norm(s) / (n * n) for s in leaves], leaf_group, num_groups)
-    mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
-    return mean, sq_sum / n, b
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MicrobatchStats:
-    """Second moment of a replica's micro-batch gradients, for ``update(..., microbatch_stats=)``.
-
-    Attributes:
-      sq_norms: pytree shaped like the gradients; each leaf is the float32 mean
-        over micro-batches of that leaf's squared norm, ``mean_j ‖g_j‖²``.
-      num_microbatches: ``k``, static. The replica's gradient is the mean of
-        ``k`` samples, so an update sees ``n = k × replicas × accumulation_steps``.
-    """
-
-    sq_norms: Any
-    num_microbatches: int = dataclasses.field(metadata=dict(static=True))
-
-
-def value_and_microbatch_grad(
-    loss_fn: Callable[..., Any], num_microbatches: int, *, has_aux: bool = False, unroll: int | bool = 1
-) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
-    """Like ``jax.value_and_grad``, over ``k`` micro-batches with ``lax.scan``.
-
-    The returned function takes ``(params, *batch)``; every leaf of ``batch``
-    is split along its leading axis into ``k`` contiguous micro-batches
-    (micro-batch ``j`` holds rows ``j·m … (j+1)·m − 1``). It returns
-    ``(value, grads, stats)``: the mean loss (``(loss, aux)`` with ``has_aux``,
-    ``aux`` stacked along a leading ``k`` axis), the mean gradient, and
-    :class:`MicrobatchStats` with each leaf's mean micro-batch squared norm.
-    Pass ``grads`` and ``microbatch_stats=stats`` to AdaScale's ``update``:
-    one jitted step, one collective, no per-replica optimizer state.
-
-    Under ``jax.shard_map`` the parameters must vary over the data axis before
-    differentiation, as for ``jax.grad``: ``jax.lax.pcast(params, axis, to="varying")``.
-
-    Args:
-      loss_fn: ``loss_fn(params, *batch) -> loss`` (or ``(loss, aux)``).
-      num_microbatches: ``k ≥ 1``; must divide the batch's leading dimension.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      unroll: passed to ``lax.scan``. ``True`` trades compile time and memory
-        for speed where the backend runs loop bodies slowly (XLA:CPU
-        convolutions inside a loop run much slower than unrolled).
-
-    Returns:
-      A function ``(params, *batch) -> (value, grads, stats)``.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> import optax_adascale
-      >>> loss = lambda w, x: jnp.sum(w * x)
-      >>> fn = optax_adascale.value_and_microbatch_grad(loss, num_microbatches=2)
-      >>> value, grads, stats = fn(jnp.ones(2), jnp.array([[1.0, 0.0], [0.0, 1.0]]))
-      >>> grads, stats.sq_norms, stats.num_microbatches
-      (Array([0.5, 0.5], dtype=float32), Array(1., dtype=float32), 2)
-    """
-    if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be an int >= 1, got num_microbatches={num_microbatches!r}")
-    k = num_microbatches
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-
-    def split(x):
-        if x.shape[0] % k:
-            raise ValueError(
-                f"num_microbatches={k} must divide the batch's leading dimension, got shape {x.shape}"
-            )
-        return x.reshape((k, x.shape[0] // k) + x.shape[1:])
-
-    def fn(params, *batch):
-        micro = jax.tree.map(split, batch)
-
-        def body(carry, mb):
-            grad_sum, sq_sum = carry
-            value, grads = grad_fn(params, *mb)
-            grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
-            sq_sum = jax.tree.map(lambda s, g: s + leaf_sq_norm(g), sq_sum, grads)
-            return (grad_sum, sq_sum), value
-
-        grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, stat_dtype(p.dtype)), params)
-        sq0 = jax.tree.map(lambda p: jnp.zeros((), STAT_DTYPE), params)
-        carry0 = (match_varying(grads0, params), match_varying(sq0, params))
-        (grad_sum, sq_sum), values = lax.scan(body, carry0, micro, unroll=unroll)
-        grads = jax.tree.map(lambda s, p: (s / k).astype(p.dtype), grad_sum, params)
-        sq_norms = jax.tree.map(lambda s: s / k, sq_sum)
-        if has_aux:
-            losses, aux = values
-            value = (jnp.mean(losses), aux)
-        else:
-            value = jnp.mean(values)
-        return value, grads, MicrobatchStats(sq_norms, k)
-
-    return fn
+def fresh_zeros(x: Any, dtype: Any = None) -> Array:
+    """Zeros with ``x``'s shape and sharding (and dtype unless given), replica-invariant."""
+    return jnp.zeros(x.shape, x.dtype if dtype is None else dtype, out_sharding=jax.typeof(x).sharding)

@@ -242,21 +242,22 @@ def test_apply_if_finite_inside_inner_is_harmless_and_superseded_by_the_skip():
     assert int(after.skipped_steps) == 1 and int(after.inner_state.total_notfinite) == 0
 
 
-def test_multisteps_inside_inner_is_not_accumulation():
-    # Documented pitfall: with optax.MultiSteps inside `inner` every call is an AdaScale update, so τ
-    # advances on every call although the parameters move every k-th call. accumulation_steps=k is
-    # the right tool: one update, one gain, per k calls.
+@pytest.mark.parametrize("wrap", ["gradient_transformation", "multisteps_object"])
+def test_multisteps_inside_inner_is_rejected_at_init_and_accumulation_steps_is_the_fix(wrap):
+    # With optax.MultiSteps inside `inner` every call would be an AdaScale update, so τ would advance on
+    # every call although the parameters move every k-th call. We refuse it; accumulation_steps=k is the
+    # right tool: one update, one gain, per k calls.
     params = params_tree()
-    wrong = optax_adascale.adascale(optax.MultiSteps(optax.trace(0.9), 2).gradient_transformation(), 0.1,
-                                    axis_name="i")
+    multi = optax.MultiSteps(optax.trace(0.9), 2)
+    wrong = optax_adascale.adascale(multi.gradient_transformation() if wrap == "gradient_transformation" else multi,
+                                    0.1, axis_name="i")
+    with pytest.raises(ValueError, match=r"optax.MultiSteps.*accumulation_steps=k"):
+        wrong.init(params)
     right = optax_adascale.adascale(optax.trace(0.9), 0.1, axis_name="i", accumulation_steps=2)
-    s_wrong = wrong.init(params)
     s_right = optax_adascale.replicate_buffers(right.init(params), 4)
     axes = optax_adascale.state_axes(s_right)
     step_right = jax.vmap(right.update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")
     for seed in range(2):
-        _, s_wrong = vmapped(wrong)(replica_grads(params, seed=seed), s_wrong, params)
         _, s_right = step_right(replica_grads(params, seed=seed), s_right, params)
-    assert int(optax_adascale.get_adascale_state(s_wrong).count) == 2
     assert int(optax_adascale.get_adascale_state(s_right).count) == 1
     assert float(optax_adascale.metrics(s_right)["scale"]) == 8.0  # 4 replicas × 2 calls

@@ -112,13 +112,13 @@ def test_non_finite_gradient_in_one_replica_skips_the_step_on_every_replica(bad)
     for r in range(n):
         s = jax.tree.map(lambda x, r=r: x[r], new_states)
         assert int(s.skipped_steps) == 1
-        assert bits_equal(s._replace(skipped_steps=state.skipped_steps), state)
+        assert bits_equal(s._replace(skipped_steps=state.skipped_steps, skip_streak=state.skip_streak), state)
 
     # Training then continues exactly as if the poisoned step had never happened.
     clean_updates, clean_state = step(grads_for(2, n), state)
     updates, after = step(grads_for(2, n), jax.tree.map(lambda x: x[0], new_states))
     assert bits_equal(updates, clean_updates)
-    assert bits_equal(after._replace(skipped_steps=clean_state.skipped_steps), clean_state)
+    assert bits_equal(after._replace(skipped_steps=clean_state.skipped_steps, skip_streak=clean_state.skip_streak), clean_state)
 
 
 def test_non_finite_gradient_under_shard_map_gives_replicated_zero_updates():
@@ -135,7 +135,7 @@ def test_non_finite_gradient_under_shard_map_gives_replicated_zero_updates():
     state = tx.init(PARAMS)
     per_replica_updates, new_state = f(state, grads)
     assert all(u.shape[0] == 8 and bool(jnp.all(u == 0)) for u in jax.tree.leaves(per_replica_updates))
-    assert bits_equal(new_state._replace(skipped_steps=state.skipped_steps), state)
+    assert bits_equal(new_state._replace(skipped_steps=state.skipped_steps, skip_streak=state.skip_streak), state)
     assert int(new_state.skipped_steps) == 1
 
 
@@ -155,7 +155,7 @@ def test_non_finite_call_drops_the_whole_accumulation_window():
         assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
     assert int(state.skipped_steps) == 1 and int(state.micro_step) == 0
     assert bits_equal(state.acc_grads, jax.tree.map(jnp.zeros_like, start.acc_grads))
-    assert bits_equal(state._replace(skipped_steps=start.skipped_steps), start)
+    assert bits_equal(state._replace(skipped_steps=start.skipped_steps, skip_streak=start.skip_streak), start)
 
     # The next window trains normally.
     for seed in range(20, 20 + k):

@@ -34,7 +34,7 @@ def bits_equal(a, b):
 def assert_skipped(before, after, updates):
     assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
     assert int(after.skipped_steps) == int(before.skipped_steps) + 1
-    assert bits_equal(after._replace(skipped_steps=before.skipped_steps), before)
+    assert bits_equal(after._replace(skipped_steps=before.skipped_steps, skip_streak=before.skip_streak), before)
 
 
 # --------------------------------------------------------------------------- odd trees

@@ -1,0 +1,112 @@
+"""Ready-made AdaScale optimizers: ``adascale_sgd`` (PyTorch SGD semantics)."""
+
+from typing import Any
+
+import jax
+import optax
+
+from optax_adascale import _checks
+from optax_adascale._adascale import adascale
+
+
+def _decayed_weights(weight_decay: Any) -> optax.GradientTransformation:
+    """``g + wd·p``, skipped where ``wd`` is a concrete 0; the same (empty) state either way.
+
+    ``optax.inject_hyperparams`` turns ``weight_decay=0.0`` into an array, so
+    the choice cannot change the state's structure.
+    """
+    zero = _checks.concrete_float(weight_decay) == 0.0
+
+    def update_fn(updates, state, params=None):
+        if zero:
+            return updates, state
+        if params is None:
+            raise ValueError("weight_decay > 0 needs params: call update(grads, opt_state, params)")
+        return jax.tree.map(lambda g, p: g + weight_decay * p, updates, params), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def adascale_sgd(
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    *,
+    axis_name: str | tuple[str, ...] | None = None,
+    accumulation_steps: int = 1,
+    scale: float | None = None,
+    smoothing: float | None = None,
+    eps: float = 1e-6,
+    param_labels: Any = None,
+    param_specs: Any = None,
+    shard_optimizer_state: int | None = None,
+    delayed_gain: bool = False,
+    averaging: str = "debiased",
+) -> optax.GradientTransformationExtraArgs:
+    """AdaScale around SGD with PyTorch's semantics (FairScale's ``AdaScale(SGD(...))``).
+
+    ``weight_decay`` is added to the *averaged* gradient before momentum
+    (``d = ḡ + wd·p``; ``m ← μm + d``; Nesterov uses ``d + μm``) and is never
+    part of the gain statistics; the step is ``−r_t·lr(⌊τ_t⌋)·m``. All other
+    arguments are those of :func:`adascale`. Every argument is an explicit
+    keyword, so ``optax.inject_hyperparams(adascale_sgd, static_args=(
+    "learning_rate", "nesterov", "axis_name", "accumulation_steps", ...))``
+    works (keep ``learning_rate`` static when it is a schedule, so that it
+    runs on ``τ``).
+
+    Args:
+      learning_rate: float or schedule of the base-batch step.
+      momentum: PyTorch momentum ``μ``, or ``None`` for plain SGD.
+      nesterov: Nesterov momentum (requires ``momentum``).
+      weight_decay: L2 coefficient added to the averaged gradient.
+      axis_name: see :func:`adascale`.
+      accumulation_steps: see :func:`adascale`.
+      scale: see :func:`adascale`.
+      smoothing: see :func:`adascale`.
+      eps: see :func:`adascale`.
+      param_labels: see :func:`adascale`.
+      param_specs: see :func:`adascale`.
+      shard_optimizer_state: see :func:`adascale`.
+      delayed_gain: see :func:`adascale`.
+      averaging: see :func:`adascale`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_adascale
+      >>> tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, accumulation_steps=2)
+      >>> params = jnp.zeros(2)
+      >>> state = tx.init(params)
+      >>> _, state = tx.update(jnp.array([1.0, 0.0]), state, params)
+      >>> updates, state = tx.update(jnp.array([0.0, 1.0]), state, params)
+      >>> updates, optax_adascale.metrics(state)["gain"]
+      (Array([-0.1, -0.1], dtype=float32), Array(2., dtype=float32))
+
+    References:
+      Johnson, Agrawal, Gu, Guestrin, `AdaScale SGD
+      <https://arxiv.org/abs/2007.05105>`_, ICML 2020.
+    """
+    if nesterov and momentum is None:
+        raise ValueError("nesterov=True requires a momentum, got momentum=None")
+    _checks.check_number("momentum", momentum, low=0.0)
+    _checks.check_number("weight_decay", weight_decay, low=0.0)
+    parts = [_decayed_weights(weight_decay)]
+    if momentum is not None:
+        parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+    return adascale(
+        optax.chain(*parts),
+        learning_rate,
+        axis_name=axis_name,
+        accumulation_steps=accumulation_steps,
+        scale=scale,
+        smoothing=smoothing,
+        eps=eps,
+        param_labels=param_labels,
+        param_specs=param_specs,
+        shard_optimizer_state=shard_optimizer_state,
+        delayed_gain=delayed_gain,
+        averaging=averaging,
+    )

@@ -1,0 +1,179 @@
+"""Every argument check, in one style: the message names the argument, its value and the fix.
+
+Checks run at construction (the factories), at ``init`` (what ``inner`` is) and at
+trace time of ``update`` (what the gradients are). Traced hyperparameters (under
+``optax.inject_hyperparams``) cannot be checked and pass through.
+"""
+
+import math
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# --------------------------------------------------------------------------- numbers
+
+
+def _is_traced(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def concrete_float(value: Any) -> float | None:
+    """``value`` as a Python float, or ``None`` if it is traced or not a real scalar."""
+    if _is_traced(value):
+        return None
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - anything non-numeric is reported by the caller
+        return None
+    if arr.shape != () or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        return None
+    return float(arr)
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+) -> None:
+    """Raise unless ``value`` is a finite real number in the interval (``None`` passes; traced values pass).
+
+    Raises:
+      TypeError: ``value`` is a bool, not a real scalar, or not integral where ``integer``.
+      ValueError: ``value`` is non-finite or outside the interval.
+    """
+    if value is None or _is_traced(value):
+        return
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {name}={value!r}")
+    x = concrete_float(value)
+    if x is None:
+        raise TypeError(f"{name} must be a real number, got {name}={value!r}")
+    kind = "an integer" if integer else "finite"
+    left = "(" if low_open else "["
+    right = ")" if high_open else "]"
+    interval = f"{left}{'-inf' if low is None else low}, {'inf' if high is None else high}{right}"
+    bad = not math.isfinite(x) or (integer and x != int(x))
+    bad = bad or (low is not None and (x < low or (low_open and x == low)))
+    bad = bad or (high is not None and (x > high or (high_open and x == high)))
+    if bad:
+        raise ValueError(f"{name} must be {kind} in {interval}, got {name}={value!r}")
+
+
+def check_static_int(name: str, value: Any, *, low: int = 1, hint: str = "") -> None:
+    """Raise unless ``value`` is a Python int ``>= low`` (not an array: it shapes the program)."""
+    if _is_traced(value) or hasattr(value, "dtype"):
+        raise TypeError(
+            f"{name} must be a static Python int, got an array ({value!r}). With "
+            f"optax.inject_hyperparams pass static_args=('{name}', ...).{hint}"
+        )
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int >= {low}, got {name}={value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+
+
+def check_learning_rate(learning_rate: Any) -> None:
+    """A constant learning rate must be finite and non-negative; a schedule is checked when it runs."""
+    if callable(learning_rate):
+        return
+    if concrete_float(learning_rate) is None and not _is_traced(learning_rate) and not hasattr(learning_rate, "dtype"):
+        raise TypeError(f"learning_rate must be a number or a schedule, got learning_rate={learning_rate!r}")
+    check_number("learning_rate", learning_rate, low=0.0)
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {name}={value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {name}={value!r}")
+
+
+# --------------------------------------------------------------------------- pytrees
+
+
+def check_inexact(tree: Any, name: str) -> None:
+    """Raise unless every leaf is floating point or complex."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"AdaScale needs floating-point {name}, got dtype {dtype} at "
+                f"{name}{jax.tree_util.keystr(path)}. Integer or boolean leaves cannot be "
+                "scaled; keep them out of the optimized tree (e.g. optax.multi_transform "
+                "with optax.set_to_zero)."
+            )
+
+
+def check_grads(grads: Any, params: Any) -> None:
+    """Gradients are inexact and shaped like the params."""
+    check_inexact(grads, "grads")
+    if params is not None and jax.tree.structure(grads) != jax.tree.structure(params):
+        raise ValueError(
+            "grads and params must have the same tree structure, got "
+            f"grads={jax.tree.structure(grads)} and params={jax.tree.structure(params)}."
+        )
+
+
+# --------------------------------------------------------------------------- what inner is
+
+
+def _is_multisteps_state(x: Any) -> bool:
+    return isinstance(x, optax.MultiStepsState)
+
+
+def check_inner_state(inner_state: Any) -> None:
+    """Reject an ``inner`` that accumulates itself (``optax.MultiSteps``): τ would advance on calls that do not step."""
+    found = jax.tree.leaves(inner_state, is_leaf=_is_multisteps_state)
+    if any(_is_multisteps_state(x) for x in found):
+        raise ValueError(
+            "inner contains optax.MultiSteps: every call would be an AdaScale update, so τ would "
+            "advance on calls that do not move the parameters. Use adascale(..., accumulation_steps=k) "
+            "instead; it also feeds every micro-batch into the variance estimate."
+        )
+
+
+def probe_inner(inner: optax.GradientTransformationExtraArgs, params: Any) -> None:
+    """Reject an ``inner`` that carries its own (negative-signed) learning rate, e.g. ``optax.sgd(lr)``.
+
+    AdaScale multiplies ``inner``'s output by ``−r·lr``, so ``inner`` must return a
+    direction *along* the gradient (``optax.trace``, ``optax.identity``,
+    ``optax.scale_by_adam``). A full optimizer returns ``−lr·direction``: the
+    sign flips and training ascends. We run ``inner`` once on a stand-in with
+    one element per leaf (same tree and ranks, gradient 1, parameter 0) at
+    compile time; an ``inner`` that cannot run on the stand-in is not judged.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    if not leaves:
+        return
+    try:
+        with jax.ensure_compile_time_eval(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stand_in = treedef.unflatten(
+                [jnp.zeros((1,) * jnp.ndim(p), jnp.result_type(p)) for p in leaves]
+            )
+            grads = jax.tree.map(jnp.ones_like, stand_in)
+            state = inner.init(stand_in)
+            updates, _ = inner.update(grads, state, stand_in)
+            values = np.concatenate([np.real(np.ravel(np.asarray(u))) for u in jax.tree.leaves(updates)])
+    except Exception:  # noqa: BLE001 - an inner we cannot probe (shape-specific, needs extra args) is not judged
+        return
+    if values.size and np.all(np.isfinite(values)) and np.any(values < 0):
+        raise ValueError(
+            "inner returns updates pointing against the gradient (it maps a gradient of 1 to "
+            f"{values.min():.3g}): it already contains a learning rate, e.g. optax.sgd(lr) or "
+            "optax.adamw(lr). AdaScale applies the learning rate itself (−gain·lr(⌊τ⌋)), so the sign "
+            "would flip and training would ascend. Pass a learning-rate-free direction: "
+            "optax.trace(0.9) for momentum SGD, optax.identity(), or optax.scale_by_adam() for Adam."
+        )

@@ -1,0 +1,183 @@
+"""One AdaScale update from reduced statistics: moments, gain, learning rate, skip, ``inner``, new state.
+
+Everything here runs after the reduction, on values identical on every replica
+(or, with ``shard_optimizer_state``, on each replica's row of them), so every
+replica takes the same branch of the skip.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_adascale import _collect, _groups
+from optax_adascale import _estimator as est
+
+Array = jax.Array
+
+
+class Shape(NamedTuple):
+    """Static facts of one update: groups, model axes, ``n`` samples, scale ``S``, smoothing ``θ``."""
+
+    groups: _groups.Groups
+    model: _collect.ModelAxes
+    n: int
+    S: Any
+    theta: Any
+
+
+class _Statistics(NamedTuple):
+    """The moving averages after this step, and the gains this update applies."""
+
+    count: Array
+    weight: Array
+    grad_var: Array  # [G]
+    grad_sqr: Array  # [G]
+    gain: Array  # applied
+    group_gains: Array  # [G], applied
+    floored: Array  # bool: this step's variance estimate was zero up to rounding
+    ok: Array  # bool: every statistic the step depends on is finite
+
+
+def _statistics(cfg, shape: Shape, a: Array, b: Array, state) -> _Statistics:
+    """σ̂², μ̂² of this step, the moving averages, and the gain (of this step, or of the last with ``delayed_gain``)."""
+    groups, n, S = shape.groups, shape.n, shape.S
+    old_var, old_sqr = groups.unpack(state.grad_var), groups.unpack(state.grad_sqr)
+    count = optax.safe_increment(state.count)
+    if n == 1:  # S = n = 1: the identity; no variance to estimate.
+        ones = jnp.ones((groups.size,), jnp.float32)
+        ok = jnp.all(jnp.isfinite(a if cfg.delayed_gain else b))
+        return _Statistics(count, state.ema_weight, old_var, old_sqr, jnp.ones([], jnp.float32), ones,
+                           jnp.bool_(False), ok)
+    var_t, sqr_t = est.step_moments(a, b, n, S, cfg.eps)
+    alpha, weight = est.ema_rate(count, state.ema_weight, shape.theta, cfg.averaging)
+    grad_var = est.ema_update(old_var, var_t, alpha)
+    grad_sqr = est.ema_update(old_sqr, sqr_t, alpha)
+    floored = jnp.sum(a - b) <= 1e-5 * jnp.sum(a)
+    stats_finite = jnp.all(jnp.isfinite(jnp.stack([a, b, var_t, sqr_t])))
+    if cfg.delayed_gain:
+        # The gain of the averages through the last update; this sample enters them
+        # afterwards. The skip reads `a` alone (finite a ⇒ finite ḡ), so nothing
+        # needs ‖ḡ‖² before the update is written.
+        group_gains = est.gain_ratio(old_var, old_sqr, S)
+        gain = est.gain_ratio(jnp.sum(old_var), jnp.sum(old_sqr), S)
+        keep = ~stats_finite
+        grad_var, grad_sqr = jnp.where(keep, old_var, grad_var), jnp.where(keep, old_sqr, grad_sqr)
+        weight = jnp.where(keep, state.ema_weight, weight)
+        ok = jnp.all(jnp.isfinite(a))
+    else:
+        group_gains = est.gain_ratio(grad_var, grad_sqr, S)
+        gain = est.gain_ratio(jnp.sum(grad_var), jnp.sum(grad_sqr), S)
+        ok = stats_finite
+    return _Statistics(count, weight, grad_var, grad_sqr, gain, group_gains, floored, ok)
+
+
+def _learning_rates(cfg, stats: _Statistics, tau_whole: Array) -> tuple[Array, Array, Array, Array]:
+    """``lr(⌊τ⌋)``, the step ``r·lr``, each group's step, and whether they are usable (finite, ``lr ≥ 0``)."""
+    lr = cfg.learning_rate(tau_whole) if callable(cfg.learning_rate) else cfg.learning_rate
+    lr = jnp.asarray(lr, jnp.float32)
+    step_size = stats.gain * lr
+    group_steps = stats.group_gains * lr
+    ok = jnp.isfinite(step_size) & jnp.all(jnp.isfinite(group_steps)) & (lr >= 0)
+    return lr, step_size, group_steps, ok
+
+
+def _run_inner(inner, mean_grads, inner_state, params, extra_args):
+    """``inner`` on the averaged gradient; its new state keeps the old state's dtypes (stable types)."""
+    updates, new_state = inner.update(mean_grads, inner_state, params, **extra_args)
+    if jax.tree.structure(updates) != jax.tree.structure(mean_grads):
+        raise ValueError(
+            "inner must return updates with the structure of the gradients: got "
+            f"{jax.tree.structure(updates)} for gradients {jax.tree.structure(mean_grads)}."
+        )
+    return updates, _keep_dtypes(new_state, inner_state)
+
+
+def _keep_dtypes(new: Any, old: Any) -> Any:
+    """``new`` with ``old``'s dtypes (an inner fed f32 gradients for bf16 params must not widen its state)."""
+    try:
+        return jax.tree.map(lambda x, y: x.astype(y.dtype) if hasattr(x, "astype") else x, new, old)
+    except (ValueError, TypeError):  # inner changed its state's structure: leave it
+        return new
+
+
+def _prefer_state_leaves(updates: Any, new_inner_state: Any, kept_inner_state: Any) -> list[Any]:
+    """Update leaves, each replaced by its selected state twin where it *is* a leaf of the new inner state.
+
+    ``optax.trace`` (non-Nesterov) returns its new momentum as the update. We
+    keep either the new or the old inner state (the skip), so scaling the
+    *selected* momentum is equal whenever the step is taken, and it makes the
+    parameter update consume the state write instead of re-reading the old
+    state: with a donated (in-place) state XLA would otherwise copy the old
+    buffer first, one extra pass per state buffer. Matching is by object
+    identity of the traced arrays, the only link optax leaves between an update
+    and its state.
+    """
+    selected = dict(zip(map(id, jax.tree.leaves(new_inner_state)), jax.tree.leaves(kept_inner_state), strict=True))
+    return [selected.get(id(u), u) for u in jax.tree.leaves(updates)]
+
+
+def _scale_updates(leaves: list[Array], steps: Array, leaf_group: tuple[int, ...], ok: Array) -> list[Array]:
+    """``−step_g · u`` per leaf (in float32 or wider, complex kept), zero where the update is skipped."""
+
+    def scale(u, g):
+        dtype = _collect.compute_dtype(u.dtype)
+        real = jnp.finfo(dtype).dtype
+        return jnp.where(ok, u.astype(dtype) * (-steps[g]).astype(real), 0).astype(u.dtype)
+
+    return [scale(u, g) for u, g in zip(leaves, leaf_group, strict=True)]
+
+
+def apply(cfg, inner, shape, mean_grads, a, b, state, params, extra_args):
+    """One AdaScale update from reduced (replica-identical) statistics ``ḡ``, ``a``, ``b``.
+
+    The accumulation buffers are the caller's business: they are set aside so
+    that the skip's select never touches a gradient-sized buffer.
+    """
+    buffers = (state.acc_grads, state.acc_sq_norm)
+    state = state._replace(acc_grads=None, acc_sq_norm=None)
+    groups = shape.groups
+    with jax.named_scope("adascale/statistics"):
+        stats = _statistics(cfg, shape, a, b, state)
+    with jax.named_scope("adascale/learning_rate"):
+        lr, step_size, group_steps, lr_ok = _learning_rates(cfg, stats, state.tau_whole)
+        ok = stats.ok & lr_ok
+    inner_updates, inner_state = _run_inner(inner, mean_grads, state.inner_state, params, extra_args)
+    with jax.named_scope("adascale/scale_updates"):
+        kept_inner_state = optax.tree.where(ok, inner_state, state.inner_state)
+        leaves = _prefer_state_leaves(inner_updates, inner_state, kept_inner_state)
+        scaled = _scale_updates(leaves, group_steps, groups.leaf_group, ok)
+        new_updates = jax.tree.structure(inner_updates).unflatten(scaled)
+    with jax.named_scope("adascale/state"):
+        new_state = _next_state(shape, state, stats, lr, step_size, ok)
+    return new_updates, new_state._replace(inner_state=kept_inner_state, acc_grads=buffers[0],
+                                           acc_sq_norm=buffers[1])
+
+
+def _next_state(shape: Shape, state, stats: _Statistics, lr, step_size, ok):
+    """The scalar state after an applied update where ``ok``, else the old one with the skip counted."""
+    groups = shape.groups
+    tau_whole, tau_frac = est.advance_tau(state.tau_whole, state.tau_frac, stats.gain)
+    stepped = state._replace(
+        count=stats.count,
+        gain=stats.gain,
+        tau_whole=tau_whole,
+        tau_frac=tau_frac,
+        grad_sqr=groups.pack(stats.grad_sqr),
+        grad_var=groups.pack(stats.grad_var),
+        group_gains=groups.pack_gains(stats.group_gains),
+        ema_weight=stats.weight,
+        effective_lr=step_size,
+        base_lr=lr,
+        scale=jnp.asarray(shape.S, jnp.float32),
+        skip_streak=jnp.zeros_like(state.skip_streak),
+        floored_steps=jnp.where(stats.floored, optax.safe_increment(state.floored_steps), state.floored_steps),
+        inner_state=None,
+    )
+    skipped = state._replace(
+        skipped_steps=optax.safe_increment(state.skipped_steps),
+        skip_streak=optax.safe_increment(state.skip_streak),
+        inner_state=None,
+    )
+    return optax.tree.where(ok, stepped, skipped)

@@ -1,0 +1,274 @@
+"""The sharded update (ZeRO-1/2, FairScale's ``AdaScale(OSS)``): reduce-scatter, update a 1/n shard, all-gather.
+
+With ``shard_optimizer_state=n`` every leaf of the parameters is flattened,
+zero-padded to ``n·m`` elements and cut into ``n`` rows of ``m``; row ``i``
+belongs to replica ``i`` (the linear index over the data axes). ``inner``'s
+state lives in those rows (``(n, m)`` per params-shaped leaf, laid out with
+``P(axis_name)``), so each replica holds ``1/n`` of it. An update:
+
+1. reduce-scatters the local gradients (``lax.psum_scatter``): replica ``i``
+   receives the sum of row ``i``;
+2. takes ``‖ḡ_i‖²`` on its row and sums it, with the local squared norms, in
+   one scalar-sized ``psum``;
+3. runs ``inner`` on its row (parameters sliced the same way) and scales it;
+4. all-gathers the rows (``lax.all_gather``) into the full, replicated update.
+
+Gradient traffic is one reduce-scatter plus one all-gather, the bytes of one
+all-reduce; the update and the read of ``ḡ`` that the gain needs shrink to
+``1/n`` per device. ``inner`` must be elementwise (``trace``, ``scale_by_adam``,
+``add_decayed_weights``) or shard-aware (:func:`clip_by_global_norm`); this is
+checked at ``init`` by running ``inner`` on a two-row stand-in.
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from optax_adascale import _collect
+
+Array = jax.Array
+
+
+class ShardedInnerState(NamedTuple):
+    """``inner``'s state over ZeRO rows: params-shaped leaves are ``(n, m)``, row ``i`` on replica ``i``.
+
+    Attributes:
+      rows: the state of ``inner``, initialised on the ``(n, m)`` rows of the params.
+    """
+
+    rows: Any
+
+
+def _row_len(size: int, n: int) -> int:
+    return max(1, math.ceil(size / n))
+
+
+def to_rows(x: Array, n: int) -> Array:
+    """``x`` flattened, zero-padded and cut into ``(n, m)`` rows."""
+    m = _row_len(x.size, n)
+    flat = jnp.ravel(x)
+    return jnp.pad(flat, (0, n * m - x.size)).reshape(n, m)
+
+
+def from_rows(rows: Array, like: Any) -> Array:
+    """The inverse of :func:`to_rows` for a leaf shaped like ``like``."""
+    size = math.prod(like.shape)
+    return jnp.ravel(rows)[:size].reshape(like.shape)
+
+
+# --------------------------------------------------------------------------- init and checks
+
+
+def init_inner(inner: optax.GradientTransformationExtraArgs, params: Any, n: int) -> ShardedInnerState:
+    """``inner``'s state over the rows of ``params`` (full, replicated params; call outside shard_map)."""
+    if jax.tree.leaves(params):
+        check_elementwise(inner, params)
+    rows = jax.tree.map(lambda p: to_rows(p, n), params)
+    state = inner.init(rows)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        shape = jnp.shape(leaf)
+        if shape and (len(shape) != 2 or shape[0] != n):
+            raise ValueError(
+                f"shard_optimizer_state={n}: inner's state leaf {jax.tree_util.keystr(path)} has shape {shape}, "
+                "neither a scalar nor one row per replica. inner must be elementwise (optax.trace, "
+                "optax.scale_by_adam, optax.add_decayed_weights) or shard-aware."
+            )
+    return ShardedInnerState(state)
+
+
+def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any) -> None:
+    """Raise unless ``inner`` on two half-shards (a vmap axis) computes what it computes on the whole.
+
+    Catches transformations that need the whole tensor (``optax.clip_by_global_norm``,
+    ``optax.scale_by_trust_ratio``) and masks computed from shapes (``p.ndim > 1``
+    sees flattened rows). An ``inner`` that cannot run on the stand-in is not judged.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    full_shapes = [(2,) * jnp.ndim(p) for p in leaves]
+    dtypes = [jnp.result_type(p) for p in leaves]
+    try:
+        with jax.ensure_compile_time_eval():
+            full_p = treedef.unflatten(
+                [0.5 + 0.25 * jnp.arange(math.prod(s), dtype=d).reshape(s) for s, d in zip(full_shapes, dtypes)]
+            )
+            full_g = treedef.unflatten(
+                [1e4 * (1.0 + jnp.arange(math.prod(s), dtype=d).reshape(s)) for s, d in zip(full_shapes, dtypes)]
+            )
+            whole, _ = inner.update(full_g, inner.init(full_p), full_p)
+            rows_p = jax.tree.map(lambda x: to_rows(x, 2), full_p)
+            rows_g = jax.tree.map(lambda x: to_rows(x, 2), full_g)
+            state = inner.init(rows_p)
+
+            def one_row(g, s, p):
+                u, _ = inner.update(g, s, p, adascale_sq_norm=_sq_norm_fn("zero_probe"))
+                return u
+
+            axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, state)
+            shards = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")(rows_g, state, rows_p)
+            expected = [np.asarray(jnp.ravel(to_rows(u, 2))) for u in jax.tree.leaves(whole)]
+            got = [np.asarray(jnp.ravel(u)) for u in jax.tree.leaves(shards)]
+    except Exception:  # noqa: BLE001 - an inner we cannot run on the stand-in is not judged
+        return
+    for e, g in zip(expected, got, strict=True):
+        if not np.allclose(e, g, rtol=1e-4, atol=1e-6):
+            raise ValueError(
+                "shard_optimizer_state: inner computes something different on a 1/n shard of the parameters "
+                "than on the whole, so the sharded update would be wrong. inner must be elementwise "
+                "(optax.trace, optax.scale_by_adam, optax.add_decayed_weights). Norm-based transformations "
+                "need the global norm: use optax_adascale.clip_by_global_norm instead of "
+                "optax.clip_by_global_norm; masks and labels must be given as trees, not computed from "
+                "shapes (each shard is a flattened row)."
+            )
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def _rows_of(inner_state: Any) -> Any:
+    return inner_state.rows if isinstance(inner_state, ShardedInnerState) else None
+
+
+def row_axes(inner_state: Any) -> Any:
+    """vmap/pmap axes for ``inner_state``: ``0`` on ZeRO rows, ``None`` elsewhere."""
+    if not isinstance(inner_state, ShardedInnerState):
+        return jax.tree.map(lambda _: None, inner_state)
+    return ShardedInnerState(jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, inner_state.rows))
+
+
+def row_specs(inner_state: Any, lead: Any) -> Any:
+    """shard_map specs for ``inner_state``: ``P(lead)`` on ZeRO rows; ``None`` if it is not sharded."""
+    if not isinstance(inner_state, ShardedInnerState):
+        return None
+    P = jax.sharding.PartitionSpec
+    return ShardedInnerState(jax.tree.map(lambda x: P(lead) if jnp.ndim(x) else P(), inner_state.rows))
+
+
+def recut(source: Any, target: Any) -> Any:
+    """``source``'s inner state re-cut into ``target``'s layout (rows for another ``n``, or replicated)."""
+    src_rows, tgt_rows = _rows_of(source), _rows_of(target)
+    if src_rows is None and tgt_rows is None:
+        return source
+    if src_rows is None or tgt_rows is None:
+        raise ValueError("transfer_state between a sharded (shard_optimizer_state) and a replicated inner "
+                         "state is not supported; keep shard_optimizer_state set in both")
+
+    def cut(s, t):
+        if not jnp.ndim(t):
+            return s
+        n_new, m_new = t.shape
+        flat = jnp.ravel(jnp.asarray(s))
+        flat = flat[: n_new * m_new] if flat.size >= n_new * m_new else jnp.pad(flat, (0, n_new * m_new - flat.size))
+        return flat.reshape(n_new, m_new)
+
+    return ShardedInnerState(jax.tree.map(cut, src_rows, tgt_rows))
+
+
+# --------------------------------------------------------------------------- the sharded step
+
+
+def _sq_norm_fn(axis_name: Any):
+    """The global squared norm of a tree of shards: local ``Σ|x|²`` summed over the shard axes."""
+
+    def sq_norm(tree):
+        local = sum((_collect.leaf_sq_norm(x) for x in jax.tree.leaves(tree)), jnp.zeros([], jnp.float32))
+        return lax.psum(local, axis_name)
+
+    return sq_norm
+
+
+def step(cfg, inner, shape, local_grads, local_sq, state, params, extra_args, apply):
+    """One ZeRO update: reduce-scatter, statistics in one scalar psum, ``apply`` on the row, all-gather."""
+    axis = cfg.axis_name
+    n = _collect.axis_size(axis)
+    if n != cfg.shard_optimizer_state:
+        raise ValueError(
+            f"shard_optimizer_state={cfg.shard_optimizer_state} but the data axes {axis!r} have {n} replicas "
+            "here; pass shard_optimizer_state equal to the data-parallel size."
+        )
+    if not isinstance(state.inner_state, ShardedInnerState):
+        raise ValueError("opt_state was not made by a transformation with shard_optimizer_state set")
+    groups, model = shape.groups, shape.model
+    index = lax.axis_index(axis)
+    low = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16  # noqa: E731
+    lead = _local_lead(state.inner_state.rows)
+
+    with jax.named_scope("adascale/reduce_scatter"):
+        flat = jax.tree.map(lambda g: jnp.ravel(to_rows(g / n if low(g) else g, n)), local_grads)
+        sums = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
+        mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
+        b_local = groups.sums(model.mask([_collect.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
+        a, b = lax.psum((local_sq / n, b_local), axis)
+        if model.axes:
+            a, b = model.psum((a, b))
+    param_rows = None
+    if params is not None:
+        param_rows = jax.tree.map(lambda p: lax.dynamic_index_in_dim(to_rows(p, n), index, keepdims=False), params)
+    shard_state = state._replace(inner_state=state.inner_state.rows)
+    shard_state = shard_state._replace(inner_state=jax.tree.map(lambda x: jnp.reshape(x, x.shape[len(lead):])
+                                                                 if jnp.ndim(x) else x, shard_state.inner_state))
+    extra = dict(extra_args, adascale_sq_norm=_sq_norm_fn(axis))
+    row_updates, new_state = apply(cfg, inner, shape, mean, a, b, shard_state, param_rows, extra)
+    new_rows = jax.tree.map(lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
+                            new_state.inner_state, state.inner_state.rows)
+    with jax.named_scope("adascale/all_gather"):
+        gathered = _all_gather(row_updates, axis)
+        updates = jax.tree.map(lambda u, g: from_rows(u, g).astype(u.dtype), gathered, local_grads)
+    return updates, new_state._replace(inner_state=ShardedInnerState(new_rows))
+
+
+def _local_lead(rows: Any) -> tuple[int, ...]:
+    """The leading dims of this replica's view of a row: ``(1,)`` under shard_map, ``()`` under vmap/pmap."""
+    for x in jax.tree.leaves(rows):
+        if jnp.ndim(x) == 2:
+            return (1,)
+        if jnp.ndim(x) == 1:
+            return ()
+    return ()
+
+
+def _all_gather(tree: Any, axis: Any) -> Any:
+    """All-gather rows into the full flat vector, replica-invariant under shard_map."""
+    try:
+        return lax.all_gather(tree, axis, axis=0, tiled=True, to="invarying")
+    except TypeError:  # pragma: no cover - JAX without the `to` keyword
+        return lax.all_gather(tree, axis, axis=0, tiled=True)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm`` that also works where ``inner`` sees a shard of the gradient.
+
+    Inside ``adascale(..., shard_optimizer_state=n)`` (each replica updates a
+    ``1/n`` row) or with parameters split over model axes, a shard's own norm
+    is not the global one; AdaScale then hands ``inner`` the function that sums
+    squared norms over the shards (the extra argument ``adascale_sq_norm``),
+    and this transformation uses it. Elsewhere it is ``optax.clip_by_global_norm``.
+
+    Args:
+      max_norm: the largest global norm allowed.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax_adascale
+      >>> clip = optax_adascale.clip_by_global_norm(1.0)
+      >>> clip.update(jnp.array([3.0, 4.0]), clip.init(None))[0]
+      Array([0.6, 0.8], dtype=float32)
+    """
+
+    def update_fn(updates, state, params=None, *, adascale_sq_norm=None, **extra_args):
+        del params, extra_args
+        if adascale_sq_norm is None:
+            sq = sum((_collect.leaf_sq_norm(u) for u in jax.tree.leaves(updates)), jnp.zeros([], jnp.float32))
+        else:
+            sq = adascale_sq_norm(updates)
+        norm = jnp.sqrt(sq)
+        factor = jnp.where(norm < max_norm, 1.0, max_norm / jnp.where(norm > 0, norm, 1.0))
+        return jax.tree.map(lambda u: (u * factor.astype(u.dtype)).astype(u.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
