@@ -20,11 +20,14 @@ effective learning rate ``r_t · lr(⌊τ_t⌋)`` is AdaScale's choice, not a ru
 well below linear scaling's ``S · lr`` while the gradient is mostly signal, and the
 gain climbs towards ``S`` late in training, as the gradient shrinks below its noise.
 
-The replicas are the 8 devices (8 virtual CPU devices on a CPU-only host), and the
+The replicas are 8 devices when there are 8 accelerators, else 8 virtual CPU devices on
+a CPU-only host; on a machine with 1 to 7 GPUs (or TPU cores) they run as a ``jax.vmap``
+axis on the first accelerator (``--mesh vmap``, chosen automatically and printed). The
 training step is the same per-replica function under every mesh: ``--mesh shard_map``
-(default), ``--mesh pmap``, or ``--mesh gspmd`` (``jax.jit`` of a ``jax.vmap`` with
-``axis_name``, the replica axis sharded over an Auto-axes mesh). All three draw the
-same batches and give the same results up to float rounding. (On virtual CPU
+(default), ``--mesh pmap``, ``--mesh gspmd`` (``jax.jit`` of a ``jax.vmap`` with
+``axis_name``, the replica axis sharded over an Auto-axes mesh) or ``--mesh vmap`` (all
+replicas on one device). All draw the same batches and give the same results up to float
+rounding. (On virtual CPU
 devices ``gspmd`` is several times slower: XLA's SPMD partitioner all-gathers the
 activations for the vmapped weight-gradient convolutions. Prefer ``shard_map``.)
 
@@ -33,6 +36,8 @@ Run::
     python examples/train_mnist1d.py                 # full run, about 2 minutes on 2 CPU cores
     python examples/train_mnist1d.py --smoke         # tiny data and budget, < 60 s
     python examples/train_mnist1d.py --mesh pmap --out /tmp/adascale
+
+The plot goes to ``runs/adascale_mnist1d.png`` (``--out`` to change).
 
 Reference: Johnson, Agrawal, Gu, Guestrin, "AdaScale SGD: A User-Friendly Algorithm for
 Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
@@ -61,7 +66,7 @@ import optax_adascale
 BASE_BATCH = 32  # examples per micro-batch: the batch the schedule was written for
 REPLICAS = 8  # data-parallel replicas (devices)
 AXIS = "data"
-MESHES = ("shard_map", "pmap", "gspmd")
+MESHES = ("shard_map", "pmap", "gspmd", "vmap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +211,18 @@ def build_step(state, data, *, scale: int, mesh_kind: str, devices: list, seed: 
         placed = jax.device_put((state, x_train, y_train), NamedSharding(mesh, P()))
         return jax.jit(step, donate_argnums=0), *placed
 
+    if mesh_kind == "vmap":
+        # All replicas on one device (one GPU): a vmap axis with axis_name, no mesh.
+        replica_step = make_replica_step(state.apply_fn, microbatches, AXIS, mark_varying=False)
+        vmapped = jax.vmap(replica_step, in_axes=(None, 0, 0), out_axes=(None, None), axis_name=AXIS)
+
+        def step(state, xt, yt):
+            idx = batch_indices(state.step)
+            return finish(*vmapped(state, xt[idx], yt[idx]))
+
+        placed = jax.device_put((state, x_train, y_train), devices[0])
+        return jax.jit(step, donate_argnums=0), *placed
+
     if mesh_kind == "gspmd":
         # jit + vmap with axis_name, the vmapped axis sharded over the mesh: no shard_map, no pmap.
         # JAX 0.10 needs Auto axes here (jax.sharding.Mesh), not jax.make_mesh's Explicit ones.
@@ -263,7 +280,7 @@ def train(data, cfg: Config, *, scale: int, mesh_kind: str, devices: list, seed:
     with tqdm(
         total=cfg.budget, desc=f"S={scale:<2} τ", unit="base step", leave=False, mininterval=0.5, disable=None
     ) as bar:
-        while tau < cfg.budget:
+        while not optax_adascale.done(state.opt_state, cfg.budget):  # τ ≥ T (raises if every step is skipped)
             state, loss, m = step(state, x_train, y_train)
             iterations += 1
             loss, m = jax.tree.map(lambda a: float(on_one_device(np.asarray(a))), jax.device_get((loss, m)))
@@ -350,20 +367,23 @@ def plot(rows: list[dict[str, Any]], cfg: Config, path: str) -> None:
     plt.close(fig)
 
 
-def select_devices() -> list:
-    """``REPLICAS`` devices: accelerators if there are that many, else virtual CPU devices."""
+def select_devices(mesh: str | None) -> tuple[list, str]:
+    """Devices and mesh kind: ``REPLICAS`` accelerators; else one accelerator with a vmap axis; else virtual CPUs."""
     # Only affects the CPU backend; it must be set before JAX first runs a computation.
     jax.config.update("jax_num_cpu_devices", REPLICAS)
     devices = jax.devices()
+    if devices[0].platform != "cpu" and len(devices) < REPLICAS:
+        return devices[:1], "vmap" if mesh is None else mesh  # one GPU: the replicas as a vmap axis
     if len(devices) < REPLICAS:
         devices = jax.devices("cpu")
-    return devices[:REPLICAS]
+    return devices[:REPLICAS], "shard_map" if mesh is None else mesh
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--mesh", choices=MESHES, default="shard_map", help="how the 8 replicas run (default shard_map)"
+        "--mesh", choices=MESHES, default=None,
+        help="how the 8 replicas run (default shard_map; vmap on a machine with 1-7 accelerators)"
     )
     parser.add_argument(
         "--scales",
@@ -373,7 +393,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         help=f"batch scales S to compare: 1 or multiples of {REPLICAS} (default 1 8 32)",
     )
     parser.add_argument("--budget", type=int, default=None, help="T: base-batch steps (default 4000, smoke 150)")
-    parser.add_argument("--out", default=".", help="directory for the PNG (default: current directory)")
+    parser.add_argument("--out", default="runs", help="directory for the PNG (default: runs/)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny data, model and budget (< 60 s)")
     args = parser.parse_args(argv)
@@ -381,12 +401,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.budget is not None:
         cfg = dataclasses.replace(cfg, budget=args.budget)
 
-    devices = select_devices()
+    devices, args.mesh = select_devices(args.mesh)
+    if args.mesh != "vmap" and len(devices) < REPLICAS:
+        parser.error(f"--mesh {args.mesh} needs {REPLICAS} devices; this machine has {len(devices)}: use --mesh vmap")
     data = load_mnist1d(cfg.num_samples)
     print(
         f"MNIST-1D (generated locally): {len(data['x'])} train / {len(data['x_test'])} test. "
         f"CNN width {cfg.width}, SGD momentum 0.9, lr {cfg.lr}·0.01^(t/T) written for batch {BASE_BATCH}, "
-        f"T = {cfg.budget} base steps. {REPLICAS} replicas on {devices[0].platform.upper()} via --mesh {args.mesh}."
+        f"T = {cfg.budget} base steps. {REPLICAS} replicas on {len(devices)} {devices[0].platform.upper()} "
+        f"device{'s' if len(devices) > 1 else ''} via --mesh {args.mesh}."
     )
 
     rows = []

@@ -45,6 +45,20 @@ def value_and_microbatch_grad(
     Under ``jax.shard_map`` the parameters must vary over the data axis before
     differentiation, as for ``jax.grad``: ``jax.lax.pcast(params, axis, to="varying")``.
 
+    Why not ``optax.microbatching.microbatch``: it splits *strided* (micro-batch
+    ``j`` holds rows ``j, j+k, j+2k, …``) so that a batch sharded over devices
+    under a global ``jax.jit`` keeps every micro-batch spread over all shards,
+    and it runs a ``fori_loop`` without ``unroll``. This helper is called *per
+    replica* (inside ``shard_map``, ``pmap`` or ``vmap``), where the batch it
+    sees is already local, so a contiguous split moves no data and keeps rows
+    together in the order the user's input pipeline wrote them; it also needs
+    ``unroll`` (XLA:CPU runs convolutions inside loops slowly) and the
+    per-micro-batch squared norms, which optax's accumulators would have to
+    carry as a custom accumulator. The estimator treats micro-batches as
+    independent samples either way: shuffle the data, or a contiguous split of
+    a batch sorted by class inflates the variance estimate (a strided one
+    deflates it).
+
     Args:
       loss_fn: ``loss_fn(params, *batch) -> loss`` (or ``(loss, aux)``).
       num_microbatches: ``k ≥ 1``; must divide the batch's leading dimension.

@@ -36,7 +36,9 @@ def _is_state(x: Any) -> bool:
 
 
 def _value(x: Any) -> Any:
-    """A plain array from a leaf (unwraps Flax NNX variables)."""
+    """A plain array from a leaf (unwraps Flax NNX variables, also restored without a target as ``{"value": x}``)."""
+    if isinstance(x, Mapping) and set(x.keys()) == {"value"}:
+        return _value(x["value"])
     for attr in ("get_value", "value"):
         if hasattr(x, attr) and not isinstance(x, (jax.Array, np.ndarray)):
             v = getattr(x, attr)
@@ -385,7 +387,11 @@ def _conform(source: Any, target: Any) -> Any:
     (plain dicts and lists where the target has NamedTuples) fits too.
     """
     name = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))  # noqa: E731
-    key = lambda path: tuple(name(k) for k in path)  # noqa: E731
+
+    def key(path):  # an NNX variable (or one restored without target, {"value": x}) is one key deeper
+        names = tuple(name(k) for k in path)
+        return names[:-1] if names and names[-1] == "value" else names
+
     src = {key(p): v for p, v in jax.tree_util.tree_leaves_with_path(source)}
     tgt = jax.tree_util.tree_leaves_with_path(target)
     if sorted(src) != sorted(key(p) for p, _ in tgt):

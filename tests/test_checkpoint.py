@@ -296,6 +296,59 @@ def test_accessors_read_a_checkpoint_restored_without_target(tmp_path, make):
     )
 
 
+def _as_0_1_0_checkpoint(state: AdaScaleState) -> dict[str, Any]:
+    """The state as optax_adascale 0.1.0 wrote it: old field names, no fields added since."""
+    fields = state._asdict()
+    fields["learning_rate"] = fields.pop("effective_lr")
+    fields["group_gain"] = fields.pop("group_gains")
+    for added in ("base_lr", "skip_streak", "floored_steps"):
+        del fields[added]
+    return fields
+
+
+def test_a_checkpoint_written_with_the_0_1_0_field_names_restores_and_resumes(tmp_path):
+    replicas = Replicas("vmap", 4, make_tx(4))
+    params, opt_state = replicas.init(init_params())
+    params, opt_state, _ = replicas.run(params, opt_state, range(5))
+    save(tmp_path / "ckpt", {"params": params, "opt_state": _as_0_1_0_checkpoint(opt_state)})
+    raw = restore(tmp_path / "ckpt")
+
+    m_old, m_new = optax_adascale.metrics(raw["opt_state"]), optax_adascale.metrics(opt_state)
+    for key in ("gain", "scale_invariant_steps", "grad_sqr", "grad_var", "learning_rate", "scale", "skipped_steps"):
+        np.testing.assert_array_equal(m_old[key], m_new[key], err_msg=key)
+    np.testing.assert_allclose(m_old["base_learning_rate"], m_new["base_learning_rate"], rtol=1e-6)
+
+    resumed = optax_adascale.transfer_state(raw["opt_state"], replicas.init(init_params())[1])
+    _, a, gains_a = replicas.run(raw["params"], resumed, range(5, 9))
+    _, b, gains_b = replicas.run(params, opt_state, range(5, 9))
+    np.testing.assert_array_equal(gains_a, gains_b)
+    assert_trees_equal(optax_adascale.metrics(a), optax_adascale.metrics(b))
+
+
+def test_an_nnx_optimizer_restored_without_target_is_readable_and_transferable(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(DIM, 2, rngs=rngs)
+
+    model = Model(nnx.Rngs(0))
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, accumulation_steps=2)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        optimizer.update(model, nnx.grad(lambda m: jnp.sum(m.linear(x) ** 2))(model))
+
+    for call in range(4):
+        step(model, optimizer, jnp.asarray(batch(call, 1)[0][0]))
+    save(tmp_path / "ckpt", nnx.state(optimizer))
+    raw = restore(tmp_path / "ckpt")  # NNX variables come back as {"value": array}
+    assert_trees_equal(optax_adascale.metrics(raw), optax_adascale.metrics(optimizer))
+    moved = optax_adascale.transfer_state(raw, tx.init(nnx.state(model, nnx.Param)))
+    assert_trees_equal(optax_adascale.metrics(moved), optax_adascale.metrics(optimizer))
+
+
 # --------------------------------------------------------------------------- (d) elastic scaling
 
 

@@ -1,7 +1,7 @@
 """``examples/train_mnist1d.py --smoke``: table printed, PNG written, every mesh trains the same.
 
-The example draws the same batches under ``--mesh shard_map``, ``pmap`` and ``gspmd``,
-so three different parallel mechanisms must print the same iterations, τ, gains,
+The example draws the same batches under ``--mesh shard_map``, ``pmap``, ``gspmd`` and
+``vmap`` (all replicas on one device, as on a single GPU), so four parallel mechanisms must print the same iterations, τ, gains,
 accuracies and losses (to the printed precision).
 """
 
@@ -68,7 +68,7 @@ def test_flagship_smoke_larger_scale_takes_fewer_iterations(default_run):
     assert int(rows[32]["iterations"]) < int(rows[8]["iterations"]) < int(rows[1]["iterations"])
 
 
-@pytest.mark.parametrize("mesh", ["pmap", "gspmd"])
+@pytest.mark.parametrize("mesh", ["pmap", "gspmd", "vmap"])
 def test_flagship_smoke_mesh_matches_shard_map(mesh, default_run, tmp_path):
     rows, png = run_example(tmp_path, "--mesh", mesh, "--scales", "8", "32")
     assert png.read_bytes()[:8] == PNG_MAGIC

@@ -149,21 +149,26 @@ def explicit_mesh():
     return mesh
 
 
-def test_gspmd_on_explicit_mesh_raises_our_error_naming_the_workarounds():
-    """JAX 0.10 cannot reduce over a vmap axis sharded on an Explicit mesh axis; AdaScale says so first.
-
-    If JAX fixes it (see the next test), drop the check in ``_collect.check_vmap_axis_not_explicit``.
-    """
-    sharding = NamedSharding(explicit_mesh(), P(AXIS))
-    with pytest.raises(ValueError, match=r"Explicit mesh axes.*Auto axes.*auto_axes.*shard_map"):
-        train(gspmd_step, lambda a: jax.device_put(a, sharding))
-
-
-def test_gspmd_on_explicit_mesh_psum_fails_without_adascale():
-    """The minimal reproducer: no optimizer, just a psum over the vmap axis."""
+def _jax_can_reduce_over_an_explicit_vmap_axis() -> bool:
+    """The minimal case, no optimizer: a psum over a vmap axis sharded on an Explicit mesh axis."""
     x = jax.device_put(np.ones((N, 3), np.float32), NamedSharding(explicit_mesh(), P(AXIS)))
-    with pytest.raises(ValueError, match="does not evenly divide"):
-        jax.jit(jax.vmap(lambda v: jax.lax.psum(v, AXIS), axis_name=AXIS))(x)
+    try:
+        jax.block_until_ready(jax.jit(jax.vmap(lambda v: jax.lax.psum(v, AXIS), axis_name=AXIS))(x))
+    except Exception:  # noqa: BLE001 - whatever JAX raises (its wording changes between versions)
+        return False
+    return True
+
+
+def test_gspmd_on_explicit_mesh_raises_our_error_exactly_where_jax_cannot_reduce():
+    """JAX 0.10 (and 0.11) cannot reduce over a vmap axis sharded on an Explicit mesh axis; AdaScale says so first,
+    naming the workarounds. Where a JAX version can, our check must stay silent and training must work."""
+    sharding = NamedSharding(explicit_mesh(), P(AXIS))
+    if _jax_can_reduce_over_an_explicit_vmap_axis():
+        params, _, log = train(gspmd_step, lambda a: jax.device_put(a, sharding))
+        assert_matches_shard_map(params, log)
+    else:
+        with pytest.raises(ValueError, match=r"Explicit mesh axes.*Auto axes.*auto_axes.*shard_map"):
+            train(gspmd_step, lambda a: jax.device_put(a, sharding))
 
 
 def test_gspmd_workaround_make_mesh_with_auto_axes():

@@ -1,0 +1,562 @@
+"""The generic checks of optax's own optimizer harnesses, run on our optimizers in three configurations.
+
+optax checks every optimizer it ships for the same properties (contrib/_common_test.py, _src/alias_test.py,
+transforms/_accumulation_test.py, _src/float64_test.py, _src/sharding_test.py): extra ``update`` keyword
+arguments, no recompilation, ``tree_map_params``, convergence on small problems, ``inject_hyperparams``,
+dtype preservation, ``MultiSteps``, shape/dtype stability under ``lax.cond``, explicit and mixed dtypes,
+sharding-in-types. Here every check runs for two optimizers (``adascale_sgd(lr, momentum=0.9)`` and
+``adascale(optax.trace(0.9), lr)``) in three configurations:
+
+* ``no_axis``: one replica (``S = 1``: AdaScale is exactly the inner optimizer);
+* ``accumulation``: ``accumulation_steps=2`` without an axis (an update is two calls; the first returns zeros);
+* ``vmap``: two replicas as a ``jax.vmap(..., axis_name="i")`` axis, gradients stacked on a leading axis.
+
+:class:`Setup` builds the per-configuration ``init`` / one call / one update, so each check is written once.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import optax_adascale
+
+CONFIGS = ("no_axis", "accumulation", "vmap")
+OPTIMIZERS = ("adascale_sgd", "adascale_trace")
+REPLICAS = 2
+
+
+# --------------------------------------------------------------------------- the configurations
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One configuration: how to build, initialise and call an optimizer in it."""
+
+    config: str
+    accumulation_steps: int = 1
+
+    @classmethod
+    def of(cls, config: str) -> "Setup":
+        return cls(config, accumulation_steps=2 if config == "accumulation" else 1)
+
+    @property
+    def axis_name(self):
+        return "i" if self.config == "vmap" else None
+
+    @property
+    def replicas(self) -> int:
+        return REPLICAS if self.config == "vmap" else 1
+
+    @property
+    def kwargs(self) -> dict:
+        return {"axis_name": self.axis_name, "accumulation_steps": self.accumulation_steps}
+
+    def make(self, optimizer: str, learning_rate=0.1, inner=None, **kw):
+        """``adascale_sgd(lr, momentum=0.9)`` or ``adascale(inner or optax.trace(0.9), lr)`` in this configuration."""
+        if optimizer == "adascale_sgd":
+            assert inner is None
+            return optax_adascale.adascale_sgd(learning_rate, momentum=0.9, **self.kwargs, **kw)
+        return optax_adascale.adascale(optax.trace(0.9) if inner is None else inner, learning_rate, **self.kwargs,
+                                       **kw)
+
+    def init(self, tx, params):
+        """``tx.init``, with one set of accumulation buffers per replica where there are several."""
+        state = tx.init(params)
+        if self.replicas > 1 and self.accumulation_steps > 1:
+            state = optax_adascale.replicate_buffers(state, self.replicas)
+        return state
+
+    def call(self, tx, state, **extra):
+        """One call of ``update``: ``(inputs, state, params) -> (updates, state)``; see :meth:`inputs`."""
+        update = lambda g, s, p: tx.update(g, s, p, **extra)
+        if self.replicas == 1:
+            return update
+        axes = optax_adascale.state_axes(state)
+        return jax.vmap(update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")
+
+    def inputs(self, grads, noise=0.0):
+        """The ``update`` inputs of one update for the true gradient ``grads``: one per call.
+
+        Replicas (stacked on a leading axis) and accumulated calls see ``grads ± noise`` with opposite signs, so
+        that their mean is ``grads``.
+        """
+        signs = [1.0 if c % 2 == 0 else -1.0 for c in range(self.accumulation_steps)]
+
+        def sample(sign):
+            return jax.tree.map(lambda g: g + jnp.asarray(sign * noise, g.dtype), grads)
+
+        if self.replicas == 1:
+            return [sample(s) for s in signs]
+        return [jax.tree.map(lambda a, b: jnp.stack([a, b]), sample(s), sample(-s)) for s in signs]
+
+    def step(self, tx, state, **extra):
+        """One whole update: ``(grads, state, params, noise=0.0) -> (updates of the last call, state)``."""
+        call = self.call(tx, state, **extra)
+
+        def step(grads, state, params, noise=0.0):
+            updates = None
+            for x in self.inputs(grads, noise):
+                updates, state = call(x, state, params)
+            return updates, state
+
+        return step
+
+
+setups = pytest.mark.parametrize("config", CONFIGS)
+optimizers = pytest.mark.parametrize("optimizer", OPTIMIZERS)
+
+
+def types(tree):
+    """``jax.typeof`` of every leaf: shape, dtype, weak_type and sharding (what the jit cache keys on)."""
+    return jax.tree.map(jax.typeof, tree)
+
+
+def dtypes(tree):
+    return jax.tree.map(lambda x: jnp.asarray(x).dtype, tree)
+
+
+def assert_trees_close(a, b, rtol, atol=0.0):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
+
+
+# --------------------------------------------------------------------------- the test problems
+
+
+def parabola(dtype=jnp.float32):
+    init = jnp.array([-1.0, 10.0, 1.0], dtype)
+    target = jnp.array([1.0, -1.0, 1.0], dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        target = target * (1 + 1j)
+    return init, target, lambda p: jnp.sum(jnp.real(jnp.conj(p - target) * (p - target)))
+
+
+def rosenbrock(dtype=jnp.float32):
+    a, b = 1.0, 100.0
+    init = jnp.zeros(2, dtype)
+    target = jnp.array([a, a**2], dtype)
+    return init, target, lambda p: (a - p[0]) ** 2 + b * (p[1] - p[0] ** 2) ** 2
+
+
+def descent_direction(loss, params):
+    """``∇loss``, conjugated for complex parameters (as optax's tests do) so that ``p − lr·g`` descends."""
+    return jax.tree.map(jnp.conj, jax.grad(loss)(params))
+
+
+def train(setup, tx, problem, steps, noise=0.0):
+    """``steps`` updates of ``tx`` on ``problem`` in one jitted ``lax.scan``; the final params."""
+    init, _, loss = problem
+    state = setup.init(tx, init)
+    step = setup.step(tx, state)
+
+    def body(carry, _):
+        params, state = carry
+        updates, state = step(descent_direction(loss, params), state, params, noise)
+        return (optax.apply_updates(params, updates), state), None
+
+    (params, _), _ = jax.jit(lambda p, s: lax.scan(body, (p, s), length=steps))(init, state)
+    return params
+
+
+# --------------------------------------------------------------------------- 1. extra arguments
+
+
+@optimizers
+@setups
+def test_update_accepts_unexpected_extra_keyword_args_under_jit(optimizer, config):
+    setup = Setup.of(config)
+    tx = setup.make(optimizer, 1e-3)
+    params, _, loss = rosenbrock()
+    state = setup.init(tx, params)
+    step = jax.jit(setup.step(tx, state, unexpected_extra_arg=1))
+    for _ in range(2):
+        updates, state = step(descent_direction(loss, params), state, params, 0.01)
+        params = optax.apply_updates(params, updates)
+    assert bool(jnp.all(jnp.isfinite(params)))
+    assert int(optax_adascale.get_adascale_state(state).count) == 2
+
+
+# --------------------------------------------------------------------------- 2. no recompilation
+
+
+@optimizers
+@setups
+def test_second_jitted_call_does_not_retrace(optimizer, config):
+    setup = Setup.of(config)
+    tx = setup.make(optimizer, 1e-3)
+    params, _, loss = rosenbrock()
+    state0 = setup.init(tx, params)
+    call = setup.call(tx, state0)
+    traces = []
+
+    @jax.jit
+    def step(x, state, params):
+        traces.append(None)
+        return call(x, state, params)
+
+    state = state0
+    for _ in range(2):  # two updates: every call of an accumulation window is the same compiled program
+        for x in setup.inputs(descent_direction(loss, params), 0.01):
+            updates, state = step(x, state, params)
+            assert types(state) == types(state0)  # weak_type included: the state must not change its jit key
+            params = optax.apply_updates(params, updates)
+    assert len(traces) == 1
+    assert int(optax_adascale.get_adascale_state(state).count) == 2
+
+
+# --------------------------------------------------------------------------- 3. tree_map_params
+
+
+@optimizers
+@setups
+def test_tree_map_params_identity_is_a_no_op(optimizer, config):
+    setup = Setup.of(config)
+    tx = setup.make(optimizer)
+    params, _, loss = parabola()
+    state = setup.init(tx, params)
+    for current in (state, setup.step(tx, state)(descent_direction(loss, params), state, params, 0.1)[1]):
+        mapped = optax.tree_map_params(tx, lambda v: v, current)
+        assert jax.tree.structure(mapped) == jax.tree.structure(current)
+        assert types(mapped) == types(current)
+        jax.tree.map(np.testing.assert_array_equal, mapped, current)
+
+
+# --------------------------------------------------------------------------- 4. convergence and schedules
+
+
+PROBLEMS = {
+    "parabola_float32": lambda: parabola(jnp.float32),
+    "rosenbrock_float32": lambda: rosenbrock(jnp.float32),
+    "parabola_complex64": lambda: parabola(jnp.complex64),
+}
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+@optimizers
+@setups
+def test_converges_to_the_minimum(optimizer, config, problem):
+    # optax's setting for sgd: lr 1e-3, momentum 0.9, 10 000 steps. Replicas and accumulated calls see the
+    # gradient ± small opposite noise, so the gain (and τ) exceed 1 while the mean gradient is exact.
+    setup = Setup.of(config)
+    init, target, loss = PROBLEMS[problem]()
+    params = train(setup, setup.make(optimizer, 1e-3), (init, target, loss), steps=10_000, noise=0.01)
+    np.testing.assert_allclose(params, target, rtol=3e-2, atol=3e-2)
+
+
+@optimizers
+@setups
+def test_constant_schedule_equals_the_float_learning_rate(optimizer, config):
+    setup = Setup.of(config)
+    problem = parabola()
+    with_float = train(setup, setup.make(optimizer, 1e-3), problem, steps=10, noise=0.1)
+    with_schedule = train(setup, setup.make(optimizer, optax.constant_schedule(1e-3)), problem, steps=10, noise=0.1)
+    np.testing.assert_allclose(with_schedule, with_float, rtol=1e-6, atol=0)
+    assert not np.array_equal(with_float, problem[0])  # it moved
+
+
+# --------------------------------------------------------------------------- 5. inject_hyperparams
+
+
+@optimizers
+@setups
+def test_inject_hyperparams_matches_the_plain_optimizer(optimizer, config):
+    setup = Setup.of(config)
+    if optimizer == "adascale_sgd":
+        static = ("accumulation_steps", "axis_name", "nesterov")
+        injected = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=static)(
+            learning_rate=0.1, momentum=0.9, **setup.kwargs
+        )
+    else:
+        factory = lambda learning_rate: optax_adascale.adascale(optax.trace(0.9), learning_rate, **setup.kwargs)
+        injected = optax.inject_hyperparams(factory)(learning_rate=0.1)
+    plain = setup.make(optimizer, 0.1)
+    params = [-jnp.ones((2, 3)), jnp.ones((2, 5, 2))]
+    grads = [jnp.ones((2, 3)), -jnp.ones((2, 5, 2))]
+
+    def one_update(tx):
+        state = jax.jit(tx.init)(params)
+        return jax.jit(setup.step(tx, state))(grads, state, params, 0.5)
+
+    u_inj, s_inj = one_update(injected)
+    u_plain, s_plain = one_update(plain)
+    assert_trees_close(u_inj, u_plain, rtol=1e-5)
+    # weight_decay=0.0 (and eps) become arrays under inject_hyperparams: the inner state's structure must not change.
+    assert jax.tree.structure(s_inj.inner_state) == jax.tree.structure(s_plain)
+    assert dtypes(s_inj.inner_state) == dtypes(s_plain)
+    assert_trees_close(s_inj.inner_state, s_plain, rtol=1e-5, atol=1e-5)
+    assert int(optax_adascale.get_adascale_state(s_inj).count) == 1
+    # The usual idiom to read the injected learning rate finds exactly one match.
+    assert float(optax.tree.get(s_inj, "learning_rate")) == pytest.approx(0.1)
+
+
+# --------------------------------------------------------------------------- 6. updates keep dtypes
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+@optimizers
+@setups
+def test_updates_keep_the_params_dtype(optimizer, config, dtype):
+    setup = Setup.of(config)
+    tx = setup.make(optimizer)
+    params = jnp.array([1.0, 2.0], dtype)
+    grads = jax.grad(lambda p: jnp.sum(p**2))(params)
+    assert grads.dtype == params.dtype
+    state = jax.jit(tx.init)(params)
+    if setup.replicas > 1 and setup.accumulation_steps > 1:
+        state = optax_adascale.replicate_buffers(state, setup.replicas)
+    call = jax.jit(setup.call(tx, state))
+    for x in setup.inputs(grads, 0.5):
+        updates, state = call(x, state, params)
+        assert updates.dtype == params.dtype == grads.dtype
+
+
+# --------------------------------------------------------------------------- 7. MultiSteps
+
+
+@optimizers
+@setups
+def test_multisteps_first_update_is_exactly_zero(optimizer, config):
+    setup = Setup.of(config)
+    if setup.accumulation_steps > 1:
+        pytest.skip("MultiSteps around accumulation_steps=2 accumulates twice (AdaScale would step every 8 calls); "
+                    "accumulation_steps=k is the supported way to accumulate")
+    multi = optax.MultiSteps(setup.make(optimizer), every_k_schedule=4)
+    params = jnp.array([1.0, 2.0])
+    grads = jnp.array([0.5, -1.5])
+    state = jax.jit(multi.init)(params)
+    update = multi.update
+    if setup.replicas > 1:
+        # MultiSteps accumulates each replica's own gradients (per-replica acc_grads); AdaScale then reduces the
+        # replicas' accumulated gradients when MultiSteps emits.
+        state = state._replace(acc_grads=jnp.stack([state.acc_grads] * setup.replicas))
+        axes = jax.tree.map(lambda _: None, state)._replace(acc_grads=0)
+        update = jax.vmap(multi.update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")
+    (x,) = setup.inputs(grads, 0.25)
+    updates, state = jax.jit(update)(x, state, params)
+    np.testing.assert_array_equal(updates, jnp.zeros_like(grads))
+    assert updates.dtype == grads.dtype
+
+
+# --------------------------------------------------------------------------- 8. lax.cond stability
+
+COND_DTYPES = ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
+
+
+@pytest.mark.parametrize("dtype", COND_DTYPES)
+@optimizers
+@setups
+def test_state_keeps_tree_shape_and_dtype_under_lax_cond(optimizer, config, dtype):
+    setup = Setup.of(config)
+    with jax.enable_x64(dtype in ("float64", "complex128")):
+        dtype = jnp.dtype(dtype)
+        tx = setup.make(optimizer)
+        params, _, loss = parabola(dtype)
+        state0 = setup.init(tx, params)
+        call = setup.call(tx, state0)
+
+        @jax.jit
+        def step(params, state, key):
+            pred = jax.random.randint(key, (), 0, 2) >= 0  # always true, but only known at run time
+            (x,) = setup.inputs(descent_direction(loss, params), 0.1)[:1]
+            updates, state = lax.cond(
+                pred, lambda: call(x, state, params), lambda: (jax.tree.map(jnp.zeros_like, params), state)
+            )
+            return optax.apply_updates(params, updates), state
+
+        state = state0
+        for seed in range(2):
+            params, state = step(params, state, jax.random.key(seed))
+            assert params.dtype == dtype
+            assert types(state) == types(state0)
+        # Outside jit too: the two states can be the branches of one cond.
+        lax.cond(jnp.bool_(True), lambda: state0, lambda: state)
+        assert int(optax_adascale.get_adascale_state(state).micro_step) == 2 % setup.accumulation_steps
+
+
+# --------------------------------------------------------------------------- 9. explicit dtypes
+
+
+@pytest.mark.parametrize(
+    ("params_dtype", "accumulator_dtype"),
+    [(jnp.float32, jnp.bfloat16), (jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, jnp.float32)],
+    ids=["f32-params-bf16-trace", "f32-params-default", "bf16-params-default", "bf16-params-f32-trace"],
+)
+@optimizers
+@setups
+def test_explicit_inner_state_dtype_is_kept(optimizer, config, params_dtype, accumulator_dtype):
+    setup = Setup.of(config)
+    if optimizer == "adascale_sgd":
+        if accumulator_dtype is not None:
+            pytest.skip("adascale_sgd has no accumulator_dtype argument; its momentum follows the params")
+        tx = setup.make(optimizer)
+    else:
+        tx = setup.make(optimizer, inner=optax.trace(0.9, accumulator_dtype=accumulator_dtype))
+    params = jnp.zeros(2, params_dtype)
+    state = setup.init(tx, params)
+    updates, state = jax.jit(setup.step(tx, state))(jnp.array([1.0, -2.0], params_dtype), state, params, 0.5)
+    expected = params_dtype if accumulator_dtype is None else accumulator_dtype
+    assert optax.tree.get(state, "trace").dtype == expected
+    # The updates' dtype is optax's own momentum SGD's on the same inputs (f32 for a f32 trace of bf16 params).
+    reference = optax.sgd(0.1, momentum=0.9, accumulator_dtype=accumulator_dtype)
+    assert updates.dtype == jax.eval_shape(reference.update, params, reference.init(params), params)[0].dtype
+    assert int(optax_adascale.get_adascale_state(state).count) == 1
+
+
+# --------------------------------------------------------------------------- 10. float64 mixed dtypes
+
+
+@optimizers
+@setups
+def test_mixed_float32_float64_inputs_keep_their_dtypes(optimizer, config):
+    setup = Setup.of(config)
+    with jax.enable_x64(True):
+        tx = setup.make(optimizer)
+        params = (jnp.array([1.0, 2.0], jnp.float32), jnp.array([3.0, 4.0], jnp.float64))
+        grads = (jnp.array([10.0, 21.0], jnp.float32), jnp.array([33.0, 42.0], jnp.float64))
+        state0 = jax.jit(tx.init)(params)
+        if setup.replicas > 1 and setup.accumulation_steps > 1:
+            state0 = optax_adascale.replicate_buffers(state0, setup.replicas)
+        update = lambda g, s, p: tx.update(g, s, params=p)  # params as a keyword, as optax's test passes them
+        if setup.replicas > 1:
+            update = jax.vmap(update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
+        update = jax.jit(update)
+        state = state0
+        for x in setup.inputs(grads, 1.0):
+            updates, state = update(x, state, params)
+            assert dtypes(state) == dtypes(state0)
+            assert dtypes(updates) == dtypes(params)
+            assert dtypes(optax.apply_updates(params, updates)) == dtypes(params)
+        assert int(optax_adascale.get_adascale_state(state).count) == 1
+
+
+# --------------------------------------------------------------------------- 11. sharding
+
+
+@optimizers
+@setups
+def test_init_accepts_abstract_params(optimizer, config):
+    setup = Setup.of(config)
+    tx = setup.make(optimizer)
+    abstract = jax.ShapeDtypeStruct((2, 4, 8), jnp.float32)
+    state = tx.init(abstract)
+    assert state is not None
+    concrete = tx.init(jnp.zeros((2, 4, 8), jnp.float32))
+    assert jax.tree.structure(state) == jax.tree.structure(concrete)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(lambda x: (x.shape, x.dtype), concrete)
+
+
+@optimizers
+@setups
+def test_state_types_match_across_init_update_and_jit_on_an_explicit_mesh(optimizer, config):
+    setup = Setup.of(config)
+    tx = setup.make(optimizer)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        params = jnp.zeros((2, 8, 4), jnp.float16, out_sharding=P(None, "x"))
+        grads = jnp.full((2, 8, 4), 0.5, jnp.float16, out_sharding=P(None, "x"))
+        eager_init = setup.init(tx, params)
+        jit_init = jax.jit(lambda p: setup.init(tx, p))(params)
+        assert types(jit_init) == types(eager_init)
+        call = setup.call(tx, eager_init)
+        eager_state, jit_state = eager_init, jit_init
+        for x in setup.inputs(grads, 0.25):
+            eager_updates, eager_state = call(x, eager_state, params)
+            jit_updates, jit_state = jax.jit(call)(x, jit_state, params)
+            assert types(eager_state) == types(eager_init)
+            assert types(jit_state) == types(eager_state)
+            assert types(jit_updates) == types(eager_updates) == types(params)
+        assert int(optax_adascale.get_adascale_state(eager_state).count) == 1
+
+
+# --------------------------------------------------------------------------- 12. mixed-precision accumulation
+
+MIXED = [jnp.float32, jnp.float16, jnp.bfloat16]
+
+
+@optimizers
+@setups
+def test_accumulation_with_mixed_precision_grads_and_params(optimizer, config):
+    # After optax's MultiSteps mixed-precision check: accumulation_steps=2 against accumulation_steps=1 on the
+    # same inputs, for every (grad dtype, param dtype) pair.
+    if config == "no_axis":
+        pytest.skip("accumulation without an axis is the 'accumulation' configuration of this test")
+    accumulating = dataclasses.replace(Setup.of(config), accumulation_steps=2)
+    single = dataclasses.replace(Setup.of(config), accumulation_steps=1)
+    failures = []
+    for grad_dtype in MIXED:
+        for param_dtype in MIXED:
+            params = {"a": jnp.array([1.0, -2.0], param_dtype), "b": jnp.array([[0.5, 3.0]], param_dtype)}
+            grads = {"a": jnp.array([0.3, -1.0], grad_dtype), "b": jnp.array([[2.0, -0.25]], grad_dtype)}
+            tx, tx1 = accumulating.make(optimizer), single.make(optimizer)
+            state = accumulating.init(tx, params)
+            (x,) = single.inputs(grads, 0.125)
+            state1 = single.init(tx1, params)
+            expected = dtypes(jax.eval_shape(single.call(tx1, state1), x, state1, params)[0])
+            call = jax.jit(accumulating.call(tx, state))
+            try:
+                for i in range(5):
+                    x = accumulating.inputs(grads, 0.125)[i % 2]
+                    updates, state = call(x, state, params)
+                    assert dtypes(updates) == expected, (i, dtypes(updates), expected)
+                    assert dtypes(optax.apply_updates(params, updates)) == dtypes(params)
+            except Exception as err:  # noqa: BLE001 - report every failing pair at once
+                failures.append(f"grads {jnp.dtype(grad_dtype)}, params {jnp.dtype(param_dtype)}: "
+                                f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    assert not failures, "\n".join(failures)
+
+
+# --------------------------------------------------------------------------- 13. complex parameters
+
+
+@optimizers
+@setups
+def test_complex_params_at_scale_one_match_optax_sgd(optimizer, config):
+    # S = 1: no axis is S = n = 1; with two samples per update, scale=1.0 sets S = 1 and identical samples
+    # make their mean the gradient exactly.
+    setup = Setup.of(config)
+    tx = setup.make(optimizer, 0.1, **({} if config == "no_axis" else {"scale": 1.0}))
+    ref = optax.sgd(0.1, momentum=0.9)
+    params, _, loss = parabola(jnp.complex64)
+    state, ref_state = setup.init(tx, params), ref.init(params)
+    step = jax.jit(setup.step(tx, state))
+    for _ in range(5):
+        grads = descent_direction(loss, params)
+        updates, state = step(grads, state, params)
+        ref_updates, ref_state = ref.update(grads, ref_state, params)
+        assert updates.dtype == jnp.complex64
+        np.testing.assert_allclose(updates, ref_updates, rtol=1e-6, atol=0)
+        params = optax.apply_updates(params, updates)
+    assert float(optax_adascale.metrics(state)["gain"]) == 1.0
+
+
+@optimizers
+@setups
+def test_complex_gain_statistics_use_the_squared_modulus(optimizer, config):
+    # Samples 1+0j and 0+1j are orthogonal (Re⟨g1, g2⟩ = 0): a = mean|g_i|² = 1, b = |ḡ|² = 1/2, so the
+    # gradient is all noise: σ̂² = S/(n−1)·(a − b) = 1, μ̂² = b − σ̂²/S = 0 and the gain is S = 2. Squares
+    # without the modulus (g²) would give a = (1 + (−1))/2 = 0.
+    setup = Setup.of(config)
+    if setup.replicas * setup.accumulation_steps == 1:
+        pytest.skip("one sample per update (S = 1): there is no variance to estimate and the gain is 1")
+    tx = setup.make(optimizer, 0.1)
+    params = jnp.zeros(1, jnp.complex64)
+    state = setup.init(tx, params)
+    samples = [jnp.array([1 + 0j], jnp.complex64), jnp.array([0 + 1j], jnp.complex64)]
+    call = jax.jit(setup.call(tx, state))
+    if setup.replicas > 1:
+        updates, state = call(jnp.stack(samples), state, params)
+    else:
+        for g in samples:
+            updates, state = call(g, state, params)
+    m = optax_adascale.metrics(state)
+    np.testing.assert_allclose(m["gain"], 2.0, rtol=1e-6)
+    np.testing.assert_allclose(m["grad_var"], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(m["grad_sqr"], 0.0, atol=1e-6)
+    # u = −gain · lr · ḡ (the first momentum step is the gradient).
+    np.testing.assert_allclose(updates, -2.0 * 0.1 * jnp.array([0.5 + 0.5j]), rtol=1e-6)
