@@ -128,3 +128,39 @@ def passes_over(text: str, shape: str) -> dict[str, int]:
             if types.get(operand, "").replace(" ", "").startswith(target):
                 reads += 1
     return {"reads": reads, "writes": writes}
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_COLLECTIVE_LINE = re.compile(
+    r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\("
+)
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def collective_bytes(text: str, min_elements: int = 64) -> dict[str, int]:
+    """Bytes moved by collectives, split into gradient-sized and scalar-sized traffic.
+
+    For every collective instruction (async ``-start`` halves counted once) the
+    arrays of its result are sized: those with at least ``min_elements``
+    elements add to ``large_bytes``; an all-reduce all of whose arrays are
+    smaller counts in ``small_all_reduces``; ``small_bytes`` sums the rest.
+    """
+    large = small = small_all_reduces = 0
+    for line in text.splitlines():
+        m = _COLLECTIVE_LINE.match(line)
+        if not m:
+            continue
+        result, op = m.groups()
+        sizes = []
+        for dtype, dims in _ARRAY.findall(result):
+            count = 1
+            for d in filter(None, dims.split(",")):
+                count *= int(d)
+            sizes.append((count, count * _DTYPE_BYTES[dtype]))
+        big = [b for c, b in sizes if c >= min_elements]
+        large += sum(big)
+        small += sum(b for c, b in sizes if c < min_elements)
+        if op == "all-reduce" and not big:
+            small_all_reduces += 1
+    return {"large_bytes": large, "small_bytes": small, "small_all_reduces": small_all_reduces}

@@ -1,7 +1,7 @@
 """``examples/train_mnist1d.py --smoke``: table printed, PNG written, every mesh trains the same.
 
-The example draws the same batches under ``--mesh shard_map``, ``pmap``, ``gspmd`` and
-``vmap`` (all replicas on one device, as on a single GPU), so four parallel mechanisms must print the same iterations, τ, gains,
+The example draws the same batches under ``--mesh shard_map``, ``pmap``, ``gspmd`` and ``vmap``
+(all replicas on one device, as on a single GPU), so four parallel mechanisms must print the same iterations, τ, gains,
 accuracies and losses (to the printed precision).
 """
 
