@@ -88,16 +88,21 @@ def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any)
     ``optax.scale_by_trust_ratio``) and masks computed from shapes (``p.ndim > 1``
     sees flattened rows). An ``inner`` that cannot run on the stand-in is not judged.
     """
+    for grad_scale in (1.0, 1e4):  # moderate gradients show masks and decay; large ones, clipping
+        _check_elementwise_at(inner, params, grad_scale)
+
+
+def _check_elementwise_at(inner: optax.GradientTransformationExtraArgs, params: Any, grad_scale: float) -> None:
     leaves, treedef = jax.tree.flatten(params)
     full_shapes = [(2,) * jnp.ndim(p) for p in leaves]
-    dtypes = [jnp.result_type(p) for p in leaves]
+    dtypes = [jnp.promote_types(jnp.result_type(p), jnp.float32) for p in leaves]
     try:
         with jax.ensure_compile_time_eval():
             full_p = treedef.unflatten(
                 [0.5 + 0.25 * jnp.arange(math.prod(s), dtype=d).reshape(s) for s, d in zip(full_shapes, dtypes)]
             )
             full_g = treedef.unflatten(
-                [1e4 * (1.0 + jnp.arange(math.prod(s), dtype=d).reshape(s)) for s, d in zip(full_shapes, dtypes)]
+                [grad_scale * (1.0 + jnp.arange(math.prod(s), dtype=d).reshape(s)) for s, d in zip(full_shapes, dtypes)]
             )
             whole, _ = inner.update(full_g, inner.init(full_p), full_p)
             rows_p = jax.tree.map(lambda x: to_rows(x, 2), full_p)
@@ -232,11 +237,11 @@ def _local_lead(rows: Any) -> tuple[int, ...]:
 
 
 def _all_gather(tree: Any, axis: Any) -> Any:
-    """All-gather rows into the full flat vector, replica-invariant under shard_map."""
-    try:
+    """All-gather rows into the full flat vector; under shard_map's type checks, replica-invariant."""
+    names = _collect.axis_names(axis)
+    if all(_collect.vma_checked(name) for name in names):
         return lax.all_gather(tree, axis, axis=0, tiled=True, to="invarying")
-    except TypeError:  # pragma: no cover - JAX without the `to` keyword
-        return lax.all_gather(tree, axis, axis=0, tiled=True)
+    return lax.all_gather(tree, axis, axis=0, tiled=True)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
