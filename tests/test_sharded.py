@@ -285,9 +285,11 @@ def test_gspmd_accumulation_matches_the_unsharded_run(layout):
     params = place(init_params(), layout)
     state = optax_adascale.replicate_buffers(tx.init(params), DATA)
     axes = optax_adascale.state_axes(state)
-    step = jax.jit(jax.vmap(
-        lambda p, s, x, y: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(jax.grad(full_loss)(p, x, y), s, p)),
-        in_axes=(None, axes, 0, 0), out_axes=(None, axes), axis_name="data"))
+    def replica_step(p, s, x, y):
+        updates, s = tx.update(jax.grad(full_loss)(p, x, y), s, p)
+        return optax.apply_updates(p, updates), s
+
+    step = jax.jit(jax.vmap(replica_step, in_axes=(None, axes, 0, 0), out_axes=(None, axes), axis_name="data"))
     rows = NamedSharding(MESH, P("data"))
     log = []
     for x, y in zip(*batches(DATA * 2), strict=True):
