@@ -128,9 +128,12 @@ def _init(cfg: _Config, inner: optax.GradientTransformationExtraArgs, params: An
 # --------------------------------------------------------------------------- update: collect
 
 
-def _update(cfg, inner, grads, state, params, microbatch_stats, extra_args):
+def _update(cfg, inner, grads, state, params, microbatch_stats, fsdp_sq_norms, extra_args):
     """Local statistics, then one AdaScale step (or an accumulation-only call)."""
     _checks.check_grads(grads, params)
+    if fsdp_sq_norms is not None:
+        _check_fsdp(cfg, params, microbatch_stats)
+        microbatch_stats = MicrobatchStats(fsdp_sq_norms, 1)
     groups = _groups.resolve_groups(cfg.param_labels, grads if params is None else params)
     _collect.check_not_summed(grads, cfg.axis_name)
     _collect.check_grads_follow_params(grads, params, cfg.axis_name)
@@ -147,7 +150,8 @@ def _update(cfg, inner, grads, state, params, microbatch_stats, extra_args):
 
     def step(local_grads, local_sq, state):
         if cfg.shard_optimizer_state is not None:
-            return _zero.step(cfg, inner, shape, local_grads, local_sq, state, params, extra_args, _step.apply)
+            return _zero.step(cfg, inner, shape, local_grads, local_sq, state, params, extra_args, _step.apply,
+                              prereduced=fsdp_sq_norms is not None)
         with jax.named_scope("adascale/reduce"):
             mean, a, b = _collect.reduce_statistics(local_grads, local_sq, cfg.axis_name, groups, model)
         return _step.apply(cfg, inner, shape, mean, a, b, state, params, extra_args)
@@ -156,6 +160,17 @@ def _update(cfg, inner, grads, state, params, microbatch_stats, extra_args):
         return step(grads, local_sq, state)
     _collect.check_buffers_per_replica(state.acc_sq_norm, cfg.axis_name)
     return _accumulate(cfg, grads, local_sq, state, step)
+
+
+def _check_fsdp(cfg: _Config, params: Any, microbatch_stats: Any) -> None:
+    if cfg.shard_optimizer_state is None:
+        raise ValueError("fsdp_sq_norms= needs shard_optimizer_state=n: the parameters and the inner state live in "
+                         "ZeRO rows (optax_adascale.fsdp_shard)")
+    if cfg.accumulation_steps != 1 or microbatch_stats is not None:
+        raise ValueError("fsdp_sq_norms= works with one sample per replica per update: no accumulation_steps, no "
+                         "microbatch_stats (use more data-parallel replicas)")
+    if params is None:
+        raise ValueError("fsdp_sq_norms= needs the parameter rows: tx.update(grads, opt_state, rows, ...)")
 
 
 def _local_sq_norms(grads: Any, microbatch_stats: MicrobatchStats | None) -> tuple[list[Array], int]:
@@ -333,8 +348,9 @@ def adascale(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``update`` also accepts
-      ``microbatch_stats=`` from :func:`value_and_microbatch_grad` and forwards
-      other keyword arguments to ``inner``.
+      ``microbatch_stats=`` from :func:`value_and_microbatch_grad`,
+      ``fsdp_sq_norms=`` (the probes' gradients, with :func:`fsdp_gather`), and
+      forwards other keyword arguments to ``inner``.
 
     Examples:
       Two replicas as a vmap axis; their gradients are orthogonal, so the
@@ -377,7 +393,7 @@ def adascale(
     def init_fn(params):
         return _init(cfg, inner, params)
 
-    def update_fn(updates, state, params=None, *, microbatch_stats=None, **extra_args):
-        return _update(cfg, inner, updates, state, params, microbatch_stats, extra_args)
+    def update_fn(updates, state, params=None, *, microbatch_stats=None, fsdp_sq_norms=None, **extra_args):
+        return _update(cfg, inner, updates, state, params, microbatch_stats, fsdp_sq_norms, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

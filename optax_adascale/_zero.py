@@ -186,8 +186,13 @@ def _sq_norm_fn(axis_name: Any):
     return sq_norm
 
 
-def step(cfg, inner, shape, local_grads, local_sq, state, params, extra_args, apply):
-    """One ZeRO update: reduce-scatter, statistics in one scalar psum, ``apply`` on the row, all-gather."""
+def step(cfg, inner, shape, local_grads, local_sq, state, params, extra_args, apply, *, prereduced=False):
+    """One ZeRO update: reduce-scatter, statistics in one scalar psum, ``apply`` on the row, all-gather.
+
+    With ``prereduced`` (FSDP, :func:`optax_adascale.fsdp_gather`) ``local_grads`` and
+    ``params`` are already this replica's rows, the gradients summed over the
+    replicas by the gather's backward pass: no reduce-scatter, no all-gather.
+    """
     axis = cfg.axis_name
     n = _collect.axis_size(axis)
     if n != cfg.shard_optimizer_state:
@@ -198,32 +203,39 @@ def step(cfg, inner, shape, local_grads, local_sq, state, params, extra_args, ap
     if not isinstance(state.inner_state, ShardedInnerState):
         raise ValueError("opt_state was not made by a transformation with shard_optimizer_state set")
     groups, model = shape.groups, shape.model
-    index = lax.axis_index(axis)
     low = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16  # noqa: E731
     lead = _local_lead(state.inner_state.rows)
 
     with jax.named_scope("adascale/reduce_scatter"):
-        flat = jax.tree.map(lambda g: jnp.ravel(to_rows(g / n if low(g) else g, n)), local_grads)
-        sums = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
-        mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
+        if prereduced:
+            mean = jax.tree.map(lambda g: jnp.ravel(g) / n, local_grads)
+        else:
+            flat = jax.tree.map(lambda g: jnp.ravel(to_rows(g / n if low(g) else g, n)), local_grads)
+            sums = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
+            mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
         b_local = groups.sums(model.mask([_collect.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
         a, b = lax.psum((local_sq / n, b_local), axis)
         if model.axes:
             a, b = model.psum((a, b))
     param_rows = None
-    if params is not None:
+    if params is not None and prereduced:
+        param_rows = jax.tree.map(jnp.ravel, params)
+    elif params is not None:
+        index = lax.axis_index(axis)
         param_rows = jax.tree.map(lambda p: lax.dynamic_index_in_dim(to_rows(p, n), index, keepdims=False), params)
-    shard_state = state._replace(inner_state=state.inner_state.rows)
-    shard_state = shard_state._replace(inner_state=jax.tree.map(lambda x: jnp.reshape(x, x.shape[len(lead):])
-                                                                 if jnp.ndim(x) else x, shard_state.inner_state))
+    shard_state = state._replace(inner_state=jax.tree.map(
+        lambda x: jnp.reshape(x, x.shape[len(lead):]) if jnp.ndim(x) else x, state.inner_state.rows))
     extra = dict(extra_args, adascale_sq_norm=_sq_norm_fn(axis))
     row_updates, new_state = apply(cfg, inner, shape, mean, a, b, shard_state, param_rows, extra)
     new_rows = jax.tree.map(lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
                             new_state.inner_state, state.inner_state.rows)
+    new_state = new_state._replace(inner_state=ShardedInnerState(new_rows))
+    if prereduced:
+        return jax.tree.map(lambda u, g: jnp.reshape(u, g.shape), row_updates, local_grads), new_state
     with jax.named_scope("adascale/all_gather"):
         gathered = _all_gather(row_updates, axis)
         updates = jax.tree.map(lambda u, g: from_rows(u, g).astype(u.dtype), gathered, local_grads)
-    return updates, new_state._replace(inner_state=ShardedInnerState(new_rows))
+    return updates, new_state
 
 
 def _local_lead(rows: Any) -> tuple[int, ...]:

@@ -306,3 +306,56 @@ def test_inject_hyperparams_and_a_state_transfer_onto_four_replicas():
         assert r4.shape == (4, -(-leaf.size // 4))
         np.testing.assert_array_equal(np.ravel(r4)[: leaf.size], np.ravel(r8)[: leaf.size])
     assert float(optax_adascale.metrics(moved)["gain"]) == float(optax_adascale.metrics(state)["gain"])
+
+
+# --------------------------------------------------------------------------- FSDP (ZeRO-3) under shard_map
+
+
+def fsdp_run(dtype=jnp.float32):
+    """Parameters in ZeRO rows, gathered for the forward pass; the probes carry the local squared norms."""
+    tx = make_tx(True)
+    params = jax.tree.map(lambda p: p.astype(dtype), init_params())
+    shapes = jax.eval_shape(lambda: params)
+    state = tx.init(params)
+    rows = optax_adascale.fsdp_shard(params, N)
+    specs = optax_adascale.state_partition_specs(state, "data")
+    row_specs = jax.tree.map(lambda _: P("data"), rows)
+
+    def step(rows, state, x, y):
+        def loss_of(rows, probes):
+            return loss_fn(optax_adascale.fsdp_gather(rows, probes, shapes, "data"), x[0], y[0])
+
+        probes = optax_adascale.fsdp_probes(rows, "data")
+        grads, sq_norms = jax.grad(loss_of, argnums=(0, 1))(rows, probes)
+        updates, state = tx.update(grads, state, rows, fsdp_sq_norms=sq_norms)
+        return optax.apply_updates(rows, updates), state
+
+    step = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(row_specs, specs, P("data"), P("data")),
+                                 out_specs=(row_specs, specs)))
+    log = []
+    for x, y in zip(*synthetic_batches(STEPS, N, ROWS), strict=True):
+        rows, state = step(rows, state, x, y)
+        record(state, log)
+    return optax_adascale.fsdp_unshard(rows, shapes), state, np.array(log), step, (rows, state)
+
+
+def test_fsdp_matches_the_replicated_update():
+    params, state, log, _, _ = fsdp_run()
+    assert_same((params, state, log), replicated())
+
+
+def test_fsdp_moves_one_all_gather_and_one_reduce_scatter_of_the_params_and_no_gradient_all_reduce():
+    _, _, _, step, (rows, state) = fsdp_run()
+    x, y = synthetic_batches(STEPS, N, ROWS)
+    text = _hlo.compiled_text(step, rows, state, x[0], y[0])
+    counts = _hlo.count_collectives(text)
+    assert counts["all-gather"] >= 1 and counts["reduce-scatter"] >= 1
+    assert _hlo.collective_bytes(text, min_elements=2)["small_all_reduces"] == counts["all-reduce"] == 1
+
+
+def test_fsdp_sq_norms_without_sharded_state_is_an_error():
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="data")
+    params = init_params()
+    with pytest.raises(ValueError, match="fsdp_sq_norms= needs shard_optimizer_state"):
+        jax.vmap(lambda g: tx.update(g, tx.init(params), params, fsdp_sq_norms=jax.tree.map(jnp.sum, g)),
+                 axis_name="data")(jax.tree.map(lambda p: jnp.ones((N,) + p.shape), params))
