@@ -5,6 +5,7 @@ Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
 """
 
 from optax_adascale import scaling_rules
+from optax_adascale._adam import adam_preconditioner
 from optax_adascale._adascale import AdaScaleState, adascale
 from optax_adascale._alias import adascale_sgd
 from optax_adascale._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
@@ -13,6 +14,7 @@ from optax_adascale._state import (
     done,
     get_adascale_state,
     metrics,
+    noise_scale,
     replicate_buffers,
     scale_invariant_steps,
     state_axes,
@@ -27,6 +29,7 @@ __all__ = (
     "AdaScaleState",
     "MicrobatchStats",
     "ShardedInnerState",
+    "adam_preconditioner",
     "adascale",
     "adascale_sgd",
     "clip_by_global_norm",
@@ -37,6 +40,7 @@ __all__ = (
     "fsdp_unshard",
     "get_adascale_state",
     "metrics",
+    "noise_scale",
     "replicate_buffers",
     "scaling_rules",
     "scale_invariant_steps",

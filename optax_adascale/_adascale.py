@@ -31,7 +31,9 @@ class AdaScaleState(NamedTuple):
         base-batch gradient (base-batch units); a dict with ``param_labels``.
       group_gains: dict label → float32 ``[]``, each group's gain of the last
         applied update; ``{}`` without ``param_labels``.
-      ema_weight: float32 ``[]``, the debiasing weight ``w = Σ θ^j (1−θ)``.
+      ema_weight: float32 ``[]``, the debiasing weight ``w = Σ θ^j (1−θ)`` of ``σ̄²``.
+      sqr_weight: float32 ``[]``, the same for ``μ̄²`` (equal to ``ema_weight``
+        unless ``horizon`` gives the two averages different memories).
       effective_lr: float32 ``[]``, ``r_t · lr(⌊τ_t⌋)`` of the last applied update
         (``metrics()["learning_rate"]``).
       base_lr: float32 ``[]``, ``lr(⌊τ_t⌋)`` of the last applied update.
@@ -59,6 +61,7 @@ class AdaScaleState(NamedTuple):
     grad_var: Any
     group_gains: Any
     ema_weight: Array
+    sqr_weight: Array
     effective_lr: Array
     base_lr: Array
     scale: Array
@@ -85,6 +88,9 @@ class _Config:
     shard_optimizer_state: int | None
     delayed_gain: bool
     averaging: str
+    horizon: Any
+    gain_exponent: float
+    precondition: Any
 
 # --------------------------------------------------------------------------- init
 
@@ -113,6 +119,7 @@ def _init(cfg: _Config, inner: optax.GradientTransformationExtraArgs, params: An
         grad_var=per_group(0.0),
         group_gains={} if groups.labels is None else per_group(1.0),
         ema_weight=scalar(),
+        sqr_weight=scalar(),
         effective_lr=scalar(),
         base_lr=scalar(),
         scale=scalar(),
@@ -139,7 +146,8 @@ def _update(cfg, inner, grads, state, params, microbatch_stats, fsdp_sq_norms, e
     _collect.check_grads_follow_params(grads, params, cfg.axis_name)
     _collect.check_vmap_axis_not_explicit(grads, cfg.axis_name)
     model = _collect.model_axes(grads, params, cfg.axis_name, cfg.param_specs)
-    sq_leaves, k_micro = _local_sq_norms(grads, microbatch_stats)
+    weights = _preconditioner(cfg, state.inner_state, grads, microbatch_stats)
+    sq_leaves, k_micro = _local_sq_norms(grads, microbatch_stats, weights)
     local_sq = groups.sums(model.mask(sq_leaves))
 
     replicas = _collect.axis_size(cfg.axis_name)
@@ -153,7 +161,7 @@ def _update(cfg, inner, grads, state, params, microbatch_stats, fsdp_sq_norms, e
             return _zero.step(cfg, inner, shape, local_grads, local_sq, state, params, extra_args, _step.apply,
                               prereduced=fsdp_sq_norms is not None)
         with jax.named_scope("adascale/reduce"):
-            mean, a, b = _collect.reduce_statistics(local_grads, local_sq, cfg.axis_name, groups, model)
+            mean, a, b = _collect.reduce_statistics(local_grads, local_sq, cfg.axis_name, groups, model, weights)
         return _step.apply(cfg, inner, shape, mean, a, b, state, params, extra_args)
 
     if cfg.accumulation_steps == 1:
@@ -173,11 +181,31 @@ def _check_fsdp(cfg: _Config, params: Any, microbatch_stats: Any) -> None:
         raise ValueError("fsdp_sq_norms= needs the parameter rows: tx.update(grads, opt_state, rows, ...)")
 
 
-def _local_sq_norms(grads: Any, microbatch_stats: MicrobatchStats | None) -> tuple[list[Array], int]:
-    """This replica's per-leaf mean squared sample norm, and its number of samples."""
+def _preconditioner(cfg: _Config, inner_state: Any, grads: Any, microbatch_stats: Any) -> list[Array] | None:
+    """The per-leaf multipliers ``P`` of the statistics (``precondition(inner_state)``), or ``None``."""
+    if cfg.precondition is None:
+        return None
+    if microbatch_stats is not None:
+        raise ValueError("precondition needs the gradients themselves: it cannot be combined with microbatch_stats "
+                         "(use accumulation_steps or more replicas)")
+    weights = cfg.precondition(inner_state)
+    if weights is None:
+        return None
+    try:
+        return jax.tree.structure(grads).flatten_up_to(weights)
+    except (ValueError, TypeError) as err:
+        raise ValueError("precondition must return multipliers shaped like the params") from err
+
+
+def _local_sq_norms(grads: Any, microbatch_stats: MicrobatchStats | None,
+                    weights: list[Array] | None = None) -> tuple[list[Array], int]:
+    """This replica's per-leaf mean squared sample norm (of ``P ⊙ g`` with weights), and its number of samples."""
     treedef = jax.tree.structure(grads)
     if microbatch_stats is None:
-        return [_collect.leaf_sq_norm(g) for g in jax.tree.leaves(grads)], 1
+        leaves = jax.tree.leaves(grads)
+        if weights is not None:
+            leaves = [g * w for g, w in zip(leaves, weights, strict=True)]
+        return [_collect.leaf_sq_norm(g) for g in leaves], 1
     if not isinstance(microbatch_stats, MicrobatchStats):
         raise TypeError(
             "microbatch_stats must be the MicrobatchStats returned by value_and_microbatch_grad, "
@@ -264,6 +292,9 @@ def adascale(
     shard_optimizer_state: int | None = None,
     delayed_gain: bool = False,
     averaging: str = "debiased",
+    horizon: float | tuple[float, float] | None = None,
+    gain_exponent: float = 1.0,
+    precondition: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""AdaScale: scale a base-batch learning-rate schedule to ``S`` times larger batches.
 
@@ -345,6 +376,16 @@ def adascale(
       averaging: ``"debiased"`` (FairScale's default) or ``"paper"``
         (Appendix B.3: the plain mean of the samples while ``t < 1/(1−θ)``,
         then the moving average).
+      horizon: ``H``, the memory of the moving averages in base-batch steps
+        (τ) instead of ``smoothing``: ``θ_t = exp(−r_{t−1}/H)``. A pair
+        ``(H_σ², H_μ²)`` gives the two averages their own memories. See the
+        package README ("A gain that keeps up").
+      gain_exponent: ``p``: the step is ``r^p·lr(⌊τ⌋)`` while τ still advances
+        by ``r`` (AdaptDL's ``AdamScale`` uses ``p = 1/2``). 1 is AdaScale.
+      precondition: ``inner_state -> multipliers`` (a tree like the params, or
+        ``None``): the statistics are taken on ``P ⊙ g_i`` instead of ``g_i``,
+        e.g. :func:`adam_preconditioner` (Adam's ``1/(√v̂ + ε)`` from the last
+        update). One more read of ``P`` per squared norm.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``update`` also accepts
@@ -379,6 +420,13 @@ def adascale(
     _checks.check_learning_rate(learning_rate)
     _checks.check_choice("averaging", averaging, est.AVERAGING_MODES)
     _checks.check_bool("delayed_gain", delayed_gain)
+    _checks.check_number("gain_exponent", gain_exponent, low=0.0, high=1.0)
+    for h in horizon if isinstance(horizon, tuple) else (horizon,):
+        _checks.check_number("horizon", h, low=0.0, low_open=True)
+    if precondition is not None and not callable(precondition):
+        raise TypeError(f"precondition must be a function of inner's state, got precondition={precondition!r}")
+    if precondition is not None and shard_optimizer_state is not None:
+        raise ValueError("precondition is not supported with shard_optimizer_state")
     if shard_optimizer_state is not None:
         _checks.check_static_int("shard_optimizer_state", shard_optimizer_state)
         if axis_name is None:
@@ -387,7 +435,7 @@ def adascale(
                 "pass the data-parallel axis_name."
             )
     cfg = _Config(learning_rate, axis_name, accumulation_steps, scale, smoothing, eps, param_labels, param_specs,
-                  shard_optimizer_state, delayed_gain, averaging)
+                  shard_optimizer_state, delayed_gain, averaging, horizon, gain_exponent, precondition)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):

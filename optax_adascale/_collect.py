@@ -325,7 +325,8 @@ def _low(x: Array) -> bool:
 
 
 def reduce_statistics(
-    grads: Any, local_sq: Array, axis_name: AxisName | None, groups: _groups.Groups, model: ModelAxes
+    grads: Any, local_sq: Array, axis_name: AxisName | None, groups: _groups.Groups, model: ModelAxes,
+    weights: Sequence[Array] | None = None,
 ) -> tuple[Any, Array, Array]:
     """The gradient's reduction, and ``‖ḡ‖²`` read straight off its output.
 
@@ -345,18 +346,21 @@ def reduce_statistics(
       axis_name: the data axes, or ``None``.
       groups: the parameter groups.
       model: the model axes of every leaf.
+      weights: optional per-leaf multipliers ``P``: ``b = ‖P ⊙ ḡ‖²`` (preconditioned statistics).
 
     Returns:
       ``(ḡ, a, b)``: the mean gradient, ``a`` = mean of the replicas' ``local_sq``
       (float32 ``[G]``), ``b = ‖ḡ‖²`` per group (float32 ``[G]``).
     """
+    weigh = (lambda x, i: x) if weights is None else (lambda x, i: x * weights[i])  # noqa: E731
     if axis_name is None:
         mean, a = grads, local_sq
-        b_leaves = [leaf_sq_norm(g) for g in jax.tree.leaves(grads)]
+        b_leaves = [leaf_sq_norm(weigh(g, i)) for i, g in enumerate(jax.tree.leaves(grads))]
     else:
         n = axis_size(axis_name)
         sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if _low(x) else x, grads), local_sq), axis_name)
-        b_leaves = [leaf_sq_norm(s) if _low(s) else leaf_sq_norm(s) / (n * n) for s in jax.tree.leaves(sums)]
+        b_leaves = [leaf_sq_norm(weigh(s, i)) if _low(s) else leaf_sq_norm(weigh(s, i)) / (n * n)
+                    for i, s in enumerate(jax.tree.leaves(sums))]
         mean = jax.tree.map(lambda s: s if _low(s) else s / n, sums)
         a = sq_sum / n
     b = groups.sums(model.mask(b_leaves))

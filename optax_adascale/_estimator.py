@@ -60,6 +60,18 @@ def step_moments(
     return jnp.maximum(var, eps), jnp.maximum(sqr, 0.0)
 
 
+def horizon_smoothing(last_gain: Array, horizon: float | Array) -> Array:
+    """``θ_t = exp(−r_{t−1}/H)``: a moving average whose memory is ``H`` base-batch steps (τ), not updates.
+
+    An update worth ``r`` base steps ages the average by ``r/H`` e-folds, so the
+    average forgets at the pace at which training (and the schedule, which
+    runs on τ) moves, whatever the scale. ``r_{t−1}`` is the gain of the last
+    update (1 before the first), so the rate does not depend on this step's
+    own estimate.
+    """
+    return jnp.exp(-jnp.asarray(last_gain, jnp.float32) / jnp.asarray(horizon, jnp.float32))
+
+
 def ema_rate(
     count: Array, weight: Array, smoothing: float | Array, averaging: str = DEBIASED
 ) -> tuple[Array, Array]:

@@ -25,7 +25,7 @@ _PER_REPLICA_FIELDS = ("acc_grads", "acc_sq_norm")
 # Fields renamed since 0.1.0 checkpoints: old name -> new name.
 _RENAMED = {"learning_rate": "effective_lr", "group_gain": "group_gains"}
 # Fields added since: a checkpoint without them restores them as zeros.
-_ADDED = ("base_lr", "skip_streak", "floored_steps")
+_ADDED = ("base_lr", "sqr_weight", "skip_streak", "floored_steps")
 # Fields a restored or NNX-split state always has (containers that may be empty can be dropped).
 _REQUIRED = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "scale", "skipped_steps",
              "micro_step")
@@ -54,6 +54,8 @@ def _from_mapping(x: Mapping) -> AdaScaleState | None:
     fields = {_RENAMED.get(k, k): v for k, v in x.items()}
     if "base_lr" not in fields and "effective_lr" in fields and "gain" in fields:
         fields["base_lr"] = _value(fields["effective_lr"]) / jnp.maximum(_value(fields["gain"]), 1.0)
+    if "sqr_weight" not in fields and "ema_weight" in fields:
+        fields["sqr_weight"] = fields["ema_weight"]
     for name in _ADDED:
         fields.setdefault(name, jnp.zeros([], jnp.float32 if name == "base_lr" else jnp.int32))
     fields.setdefault("group_gains", {})
@@ -143,7 +145,9 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     (``lr(⌊τ_t⌋)``, the schedule's value), ``scale`` (``S``), ``skipped_steps``,
     ``floored_steps`` (applied updates whose variance estimate was zero up to
     rounding: if it grows with ``count``, the replicas see identical
-    gradients — typically gradients averaged *before* ``update``); with
+    gradients — typically gradients averaged *before* ``update``),
+    ``noise_scale`` (``σ̄²/μ̄²``, the critical batch size in base batches, see
+    :func:`noise_scale`); with
     ``param_labels``, ``group_gains`` (label → gain). Before the first update:
     gain 1, τ 0, the rest 0.
 
@@ -166,10 +170,32 @@ def metrics(opt_state: Any) -> dict[str, Any]:
         "scale": _value(s.scale),
         "skipped_steps": _value(s.skipped_steps),
         "floored_steps": _value(s.floored_steps),
+        "noise_scale": noise_scale(s),
     }
     if isinstance(s.group_gains, Mapping) and s.group_gains:
         out["group_gains"] = {k: _value(v) for k, v in s.group_gains.items()}
     return out
+
+
+def noise_scale(opt_state: Any) -> jax.Array:
+    """The gradient noise scale ``B_noise = σ̄²/μ̄²``, in base batches (McCandlish et al., 2018).
+
+    The batch size (in base batches) at which the gradient's noise equals its
+    signal: the *critical batch size*. Well below ``B_noise`` a larger batch
+    buys an almost proportional speed-up (gain ≈ S); well above it, little
+    (gain ≈ ``1 + B_noise``). It grows over training as ``μ̄²`` shrinks.
+    ``+inf`` where ``μ̄² = 0 < σ̄²`` (pure noise), 0 before the first update.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax_adascale
+      >>> optax_adascale.noise_scale(optax_adascale.adascale_sgd(0.1).init(jnp.zeros(2)))
+      Array(0., dtype=float32)
+    """
+    s = get_adascale_state(opt_state)
+    var = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
+    sqr = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
+    var, sqr = jnp.asarray(var, jnp.float32), jnp.asarray(sqr, jnp.float32)
+    return jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
 
 
 def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> bool:

@@ -32,6 +32,7 @@ class _Statistics(NamedTuple):
 
     count: Array
     weight: Array
+    sqr_weight: Array
     grad_var: Array  # [G]
     grad_sqr: Array  # [G]
     gain: Array  # applied
@@ -48,12 +49,14 @@ def _statistics(cfg, shape: Shape, a: Array, b: Array, state) -> _Statistics:
     if n == 1:  # S = n = 1: the identity; no variance to estimate.
         ones = jnp.ones((groups.size,), jnp.float32)
         ok = jnp.all(jnp.isfinite(a if cfg.delayed_gain else b))
-        return _Statistics(count, state.ema_weight, old_var, old_sqr, jnp.ones([], jnp.float32), ones,
-                           jnp.bool_(False), ok)
+        return _Statistics(count, state.ema_weight, state.sqr_weight, old_var, old_sqr, jnp.ones([], jnp.float32),
+                           ones, jnp.bool_(False), ok)
     var_t, sqr_t = est.step_moments(a, b, n, S, cfg.eps)
-    alpha, weight = est.ema_rate(count, state.ema_weight, shape.theta, cfg.averaging)
-    grad_var = est.ema_update(old_var, var_t, alpha)
-    grad_sqr = est.ema_update(old_sqr, sqr_t, alpha)
+    theta_var, theta_sqr = _smoothing(cfg, shape, state)
+    alpha_var, weight = est.ema_rate(count, state.ema_weight, theta_var, cfg.averaging)
+    alpha_sqr, sqr_weight = est.ema_rate(count, state.sqr_weight, theta_sqr, cfg.averaging)
+    grad_var = est.ema_update(old_var, var_t, alpha_var)
+    grad_sqr = est.ema_update(old_sqr, sqr_t, alpha_sqr)
     floored = jnp.sum(a - b) <= 1e-5 * jnp.sum(a)
     stats_finite = jnp.all(jnp.isfinite(jnp.stack([a, b, var_t, sqr_t])))
     if cfg.delayed_gain:
@@ -65,20 +68,30 @@ def _statistics(cfg, shape: Shape, a: Array, b: Array, state) -> _Statistics:
         keep = ~stats_finite
         grad_var, grad_sqr = jnp.where(keep, old_var, grad_var), jnp.where(keep, old_sqr, grad_sqr)
         weight = jnp.where(keep, state.ema_weight, weight)
+        sqr_weight = jnp.where(keep, state.sqr_weight, sqr_weight)
         ok = jnp.all(jnp.isfinite(a))
     else:
         group_gains = est.gain_ratio(grad_var, grad_sqr, S)
         gain = est.gain_ratio(jnp.sum(grad_var), jnp.sum(grad_sqr), S)
         ok = stats_finite
-    return _Statistics(count, weight, grad_var, grad_sqr, gain, group_gains, floored, ok)
+    return _Statistics(count, weight, sqr_weight, grad_var, grad_sqr, gain, group_gains, floored, ok)
+
+
+def _smoothing(cfg, shape: Shape, state) -> tuple[Any, Any]:
+    """``θ`` of the σ² and μ² averages: ``smoothing`` (or FairScale's default), or from ``horizon`` in τ."""
+    if cfg.horizon is None:
+        return shape.theta, shape.theta
+    h_var, h_sqr = cfg.horizon if isinstance(cfg.horizon, tuple) else (cfg.horizon, cfg.horizon)
+    return est.horizon_smoothing(state.gain, h_var), est.horizon_smoothing(state.gain, h_sqr)
 
 
 def _learning_rates(cfg, stats: _Statistics, tau_whole: Array) -> tuple[Array, Array, Array, Array]:
     """``lr(⌊τ⌋)``, the step ``r·lr``, each group's step, and whether they are usable (finite, ``lr ≥ 0``)."""
     lr = cfg.learning_rate(tau_whole) if callable(cfg.learning_rate) else cfg.learning_rate
     lr = jnp.asarray(lr, jnp.float32)
-    step_size = stats.gain * lr
-    group_steps = stats.group_gains * lr
+    power = lambda r: r if cfg.gain_exponent == 1 else r ** jnp.float32(cfg.gain_exponent)  # noqa: E731
+    step_size = power(stats.gain) * lr
+    group_steps = power(stats.group_gains) * lr
     ok = jnp.isfinite(step_size) & jnp.all(jnp.isfinite(group_steps)) & (lr >= 0)
     return lr, step_size, group_steps, ok
 
@@ -168,6 +181,7 @@ def _next_state(shape: Shape, state, stats: _Statistics, lr, step_size, ok):
         grad_var=groups.pack(stats.grad_var),
         group_gains=groups.pack_gains(stats.group_gains),
         ema_weight=stats.weight,
+        sqr_weight=stats.sqr_weight,
         effective_lr=step_size,
         base_lr=lr,
         scale=jnp.asarray(shape.S, jnp.float32),

@@ -12,6 +12,13 @@ to compute the single-process reference in its own (8-device) process, and
 Every process builds the same global batches from a fixed seed and hands each device
 its rows with ``jax.make_array_from_callback``, so device ``i`` of the mesh sees the
 same data in every layout; only the all-reduce order can differ between layouts.
+
+Besides the data-parallel runs on a 1-D mesh (keys ``k<steps>_…``), on 8 devices every
+process also trains with tensor parallelism (``TP_RUNS``, keys ``<layout>_k<steps>_…``):
+a ``(data=4, model=2)`` mesh over the 8 global devices with the MLP's weights split over
+``model`` (``TP_SPECS``), one ``psum`` over ``model`` in the forward pass. In layout ``tp``
+each ``model`` pair lies in one process and the ``data`` axis crosses processes (TP
+within a host); in ``tp_cross`` both axes cross processes.
 """
 
 from __future__ import annotations
@@ -35,15 +42,32 @@ from jax.sharding import PartitionSpec as P
 import optax_adascale
 
 AXIS = "data"
+MODEL = "model"
 IN_DIM, HIDDEN = 8, 16
 PER_DEVICE_BATCH = 4
 NUM_CALLS = 10
 ACCUMULATION_STEPS = (1, 2)
+TP_SHAPE = (4, 2)  # (data, model)
+TP_SPECS = {"w1": P(None, MODEL), "b1": P(MODEL), "w2": P(MODEL, None), "b2": P()}
+# Mesh position (d, m) -> index into jax.devices() (process 0 holds 0-3, process 1 holds 4-7).
+TP_LAYOUTS = {
+    "tp": np.arange(8).reshape(TP_SHAPE),  # model pairs within a process, data across processes
+    "tp_cross": np.array([[0, 4], [5, 1], [2, 6], [7, 3]]),  # both axes across processes
+}
+TP_RUNS = (("tp", 1), ("tp_cross", 2))  # (layout, accumulation steps): one compile each, to keep the test short
+TP_NUM_CALLS = 6
 
 
 def loss_fn(params, x, y):
     h = jnp.tanh(x @ params["w1"] + params["b1"])
     pred = h @ params["w2"] + params["b2"]
+    return 0.5 * jnp.mean((pred[:, 0] - y) ** 2)
+
+
+def tp_loss_fn(params, x, y):
+    """:func:`loss_fn` on one ``model`` shard: column-parallel ``w1``, row-parallel ``w2``, one psum."""
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    pred = jax.lax.psum(h @ params["w2"], MODEL) + params["b2"]
     return 0.5 * jnp.mean((pred[:, 0] - y) ** 2)
 
 
@@ -71,32 +95,51 @@ def _global_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
-    """A replicated global array as numpy (its local copy: works when it spans processes)."""
+    """A global array as numpy (a local copy: works when it spans processes); gathers a split one first."""
+    if not x.sharding.is_fully_replicated:
+        x = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, P()))(x)
     return np.asarray(x.addressable_data(0))
 
 
-def train(mesh: jax.sharding.Mesh, accumulation_steps: int, num_calls: int = NUM_CALLS) -> dict[str, np.ndarray]:
+def tp_mesh(layout: str) -> jax.sharding.Mesh:
+    """The ``(data, model)`` mesh of ``layout`` over the 8 global devices."""
+    devices = np.array(jax.devices(), dtype=object)
+    return jax.sharding.Mesh(devices[TP_LAYOUTS[layout]], (AXIS, MODEL))
+
+
+def train(
+    mesh: jax.sharding.Mesh, accumulation_steps: int, num_calls: int = NUM_CALLS, tensor_parallel: bool = False
+) -> dict[str, np.ndarray]:
     """``num_calls`` AdaScale calls under ``jax.shard_map`` over ``mesh``'s ``"data"`` axis.
 
+    With ``tensor_parallel``, ``mesh`` also has a ``"model"`` axis over which the
+    parameters are split as ``TP_SPECS`` says (and momentum and the accumulation
+    buffers with them).
+
     Returns numpy arrays: per-call ``gain``, ``tau`` and ``loss``, and the final
-    parameters as ``param_<name>``.
+    (whole) parameters as ``param_<name>``.
     """
     n = mesh.shape[AXIS]
     schedule = optax.exponential_decay(0.05, transition_steps=5, decay_rate=0.8, staircase=True)
     tx = optax_adascale.adascale_sgd(schedule, momentum=0.9, axis_name=AXIS, accumulation_steps=accumulation_steps)
-    replicated = NamedSharding(mesh, P())
+    param_specs = TP_SPECS if tensor_parallel else {k: P() for k in TP_SPECS}
     rows = NamedSharding(mesh, P(AXIS))
-    params = {k: _global_array(v, replicated) for k, v in init_params().items()}
+    params = {k: _global_array(v, NamedSharding(mesh, param_specs[k])) for k, v in init_params().items()}
 
-    init = lambda p: optax_adascale.replicate_buffers(tx.init(p), n)  # noqa: E731
-    specs = optax_adascale.state_partition_specs(jax.eval_shape(init, params), AXIS)
+    model_shards = mesh.shape[MODEL] if tensor_parallel else 1
+    init = lambda p: optax_adascale.replicate_buffers(tx.init(p), n, model_shards=model_shards)  # noqa: E731
+    if tensor_parallel:
+        specs = optax_adascale.state_partition_specs(jax.eval_shape(init, params), AXIS, TP_SPECS, tx=tx)
+    else:
+        specs = optax_adascale.state_partition_specs(jax.eval_shape(init, params), AXIS)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     opt_state = jax.jit(init, out_shardings=shardings)(params)
+    loss_of = tp_loss_fn if tensor_parallel else loss_fn
 
     def local_step(params, opt_state, x, y):
         # Mark the replicated params varying so that jax.grad returns this replica's gradient.
         local = jax.lax.pcast(params, AXIS, to="varying")
-        loss, grads = jax.value_and_grad(loss_fn)(local, x, y)
+        loss, grads = jax.value_and_grad(loss_of)(local, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         m = optax_adascale.metrics(opt_state)
         stats = {"gain": m["gain"], "tau": m["scale_invariant_steps"], "loss": jax.lax.pmean(loss, AXIS)}
@@ -106,8 +149,8 @@ def train(mesh: jax.sharding.Mesh, accumulation_steps: int, num_calls: int = NUM
         jax.shard_map(
             local_step,
             mesh=mesh,
-            in_specs=(P(), specs, P(AXIS), P(AXIS)),
-            out_specs=(P(), specs, P()),
+            in_specs=(param_specs, specs, P(AXIS), P(AXIS)),
+            out_specs=(param_specs, specs, P()),
         ),
         donate_argnums=(0, 1),
     )
@@ -128,6 +171,15 @@ def train_all(mesh: jax.sharding.Mesh) -> dict[str, np.ndarray]:
     out = {}
     for k in ACCUMULATION_STEPS:
         out.update({f"k{k}_{key}": value for key, value in train(mesh, k).items()})
+    return out
+
+
+def train_all_tp() -> dict[str, np.ndarray]:
+    """Tensor-parallel :func:`train` for each of ``TP_RUNS``, keys prefixed ``<layout>_k<steps>_``."""
+    out = {}
+    for layout, k in TP_RUNS:
+        results = train(tp_mesh(layout), k, num_calls=TP_NUM_CALLS, tensor_parallel=True)
+        out.update({f"{layout}_k{k}_{key}": value for key, value in results.items()})
     return out
 
 
@@ -213,6 +265,10 @@ def main() -> None:
         )
     mesh = jax.make_mesh((jax.device_count(),), (AXIS,))
     results = train_all(mesh)
+    if jax.device_count() == np.prod(TP_SHAPE):
+        results.update(train_all_tp())
+        for layout in TP_LAYOUTS:  # which process holds each (data, model) position
+            results[f"mesh_{layout}_processes"] = np.vectorize(lambda d: d.process_index)(tp_mesh(layout).devices)
     results["process_index"] = np.asarray(jax.process_index())
     results["process_count"] = np.asarray(jax.process_count())
     results["device_count"] = np.asarray(jax.device_count())

@@ -2,7 +2,8 @@
 
 Each process runs ``multihost_worker.py`` with ``jax.distributed.initialize`` on
 127.0.0.1; the results must agree across processes and with the same computation
-on 8 devices in this (single) process.
+on 8 devices in this (single) process: data parallelism over a 1-D mesh, and tensor
+parallelism over a 2-D ``(data=4, model=2)`` mesh whose axes cross the processes.
 """
 
 from __future__ import annotations
@@ -59,11 +60,17 @@ def multihost_results(tmp_path_factory) -> list[dict[str, np.ndarray]]:
 def single_process_results() -> dict[str, np.ndarray]:
     assert jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
     mesh = jax.make_mesh((jax.device_count(),), (multihost_worker.AXIS,))
-    return multihost_worker.train_all(mesh)
+    return multihost_worker.train_all(mesh) | multihost_worker.train_all_tp()
+
+
+# Key prefixes and accumulation steps: data parallelism on the 1-D mesh, then the tensor-parallel runs.
+RUNS = [("", k) for k in multihost_worker.ACCUMULATION_STEPS]
+RUNS += [(f"{layout}_", k) for layout, k in multihost_worker.TP_RUNS]
+RUN_IDS = [f"{prefix or 'dp_'}k{k}" for prefix, k in RUNS]
 
 
 def _result_keys(results: dict[str, np.ndarray]) -> list[str]:
-    return sorted(k for k in results if k.startswith("k"))
+    return sorted(k for k in results if k.startswith(tuple(f"{prefix}k{steps}_" for prefix, steps in RUNS)))
 
 
 def test_workers_form_one_global_mesh(multihost_results):
@@ -71,32 +78,48 @@ def test_workers_form_one_global_mesh(multihost_results):
         assert int(results["process_index"]) == pid
         assert int(results["process_count"]) == NUM_PROCESSES
         assert int(results["device_count"]) == NUM_PROCESSES * LOCAL_DEVICES
+        tp, cross = results["mesh_tp_processes"], results["mesh_tp_cross_processes"]
+        assert tp.shape == cross.shape == multihost_worker.TP_SHAPE
+        assert np.all(tp[:, 0] == tp[:, 1]) and len(set(tp[:, 0])) == NUM_PROCESSES  # TP within a process
+        assert np.all(cross[:, 0] != cross[:, 1])  # every model pair spans both processes
+        assert all(len(set(cross[:, m])) == NUM_PROCESSES for m in range(2))  # and so does every data column
 
 
 def test_processes_agree_exactly(multihost_results):
     first, *others = multihost_results
+    assert {f"{prefix}k{k}_param_w1" for prefix, k in RUNS} <= set(first)
     for other in others:
         assert _result_keys(other) == _result_keys(first)
         for key in _result_keys(first):
             np.testing.assert_array_equal(other[key], first[key], err_msg=key)
 
 
-@pytest.mark.parametrize("accumulation_steps", multihost_worker.ACCUMULATION_STEPS)
-def test_multihost_matches_single_process(multihost_results, single_process_results, accumulation_steps):
-    prefix = f"k{accumulation_steps}_"
+@pytest.mark.parametrize(("run", "accumulation_steps"), RUNS, ids=RUN_IDS)
+def test_multihost_matches_single_process(multihost_results, single_process_results, run, accumulation_steps):
+    prefix = f"{run}k{accumulation_steps}_"
     keys = [k for k in _result_keys(single_process_results) if k.startswith(prefix)]
     assert {f"{prefix}gain", f"{prefix}tau", f"{prefix}param_w1"} <= set(keys)
     for key in keys:
         _assert_close(multihost_results[0][key], single_process_results[key], key)
 
 
-@pytest.mark.parametrize("accumulation_steps", multihost_worker.ACCUMULATION_STEPS)
-def test_multihost_run_adapts_the_gain(multihost_results, accumulation_steps):
+@pytest.mark.parametrize(("run", "accumulation_steps"), RUNS, ids=RUN_IDS)
+def test_multihost_run_adapts_the_gain(multihost_results, run, accumulation_steps):
     results = multihost_results[0]
-    gains = results[f"k{accumulation_steps}_gain"]
-    taus = results[f"k{accumulation_steps}_tau"]
+    gains = results[f"{run}k{accumulation_steps}_gain"]
+    taus = results[f"{run}k{accumulation_steps}_tau"]
     applied = gains[accumulation_steps - 1 :: accumulation_steps]
-    assert len(applied) == multihost_worker.NUM_CALLS // accumulation_steps
-    scale = NUM_PROCESSES * LOCAL_DEVICES * accumulation_steps
+    calls = multihost_worker.TP_NUM_CALLS if run else multihost_worker.NUM_CALLS
+    assert len(applied) == calls // accumulation_steps
+    replicas = multihost_worker.TP_SHAPE[0] if run else NUM_PROCESSES * LOCAL_DEVICES
+    scale = replicas * accumulation_steps
     assert np.all(applied > 1.0) and np.all(applied <= scale)
     np.testing.assert_allclose(taus[-1], np.sum(applied), rtol=1e-6)
+
+
+def test_tensor_parallel_runs_match_data_parallelism_on_the_same_replicas(single_process_results):
+    """The truth for the TP runs: no model axis, the same 4 replicas (and data) on a 1-D mesh of 4 devices."""
+    mesh = jax.make_mesh((multihost_worker.TP_SHAPE[0],), (multihost_worker.AXIS,), devices=jax.devices()[:4])
+    for layout, k in multihost_worker.TP_RUNS:
+        for key, value in multihost_worker.train(mesh, k, num_calls=multihost_worker.TP_NUM_CALLS).items():
+            _assert_close(single_process_results[f"{layout}_k{k}_{key}"], value, f"{layout}_k{k}_{key}")

@@ -1,0 +1,142 @@
+"""Options of the estimator against hand-derived values: noise scale, horizon, gain_exponent, precondition."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_adascale
+
+
+def vmapped(tx):
+    return jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i"))
+
+
+# --------------------------------------------------------------------------- noise scale
+
+
+@pytest.mark.parametrize("sigma2, mu2", [(4.0, 1.0), (50.0, 0.5)])
+def test_noise_scale_on_a_noisy_quadratic_is_sigma2_over_mu2(sigma2, mu2):
+    # At a fixed point the base-batch gradient is μ + ξ with ‖μ‖² = μ², E‖ξ‖² = σ²: B_noise = σ²/μ².
+    n, d, steps = 8, 512, 600
+    mean = jnp.full((d,), np.sqrt(mu2 / d), jnp.float32)
+    tx = optax_adascale.adascale_sgd(0.0, axis_name="i")
+    params = jnp.zeros(d)
+    update = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
+
+    @jax.jit
+    def run(key):
+        def body(state, key):
+            _, state = update(mean + jax.random.normal(key, (n, d)) * jnp.sqrt(sigma2 / d), state, params)
+            return state, None
+
+        return jax.lax.scan(body, tx.init(params), jax.random.split(key, steps))[0]
+
+    state = run(jax.random.key(0))
+    assert float(optax_adascale.noise_scale(state)) == pytest.approx(sigma2 / mu2, rel=0.06)
+    assert float(optax_adascale.metrics(state)["noise_scale"]) == float(optax_adascale.noise_scale(state))
+
+
+def test_noise_scale_is_infinite_for_pure_noise_and_zero_before_the_first_update():
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i")
+    params = jnp.zeros(2)
+    assert float(optax_adascale.noise_scale(tx.init(params))) == 0.0
+    _, state = vmapped(tx)(jnp.array([[1.0, 0.0], [-1.0, 0.0]]), tx.init(params), params)  # mean exactly 0
+    assert float(optax_adascale.metrics(state)["grad_sqr"]) == 0.0
+    assert float(optax_adascale.noise_scale(state)) == np.inf
+
+
+# --------------------------------------------------------------------------- horizon
+
+
+def test_horizon_sets_the_memory_in_base_batch_steps():
+    # Orthogonal replicas (gain 2 at S = 2), then identical ones. With horizon H the second update
+    # weighs the first sample by θ = exp(−r₁/H) with r₁ = 2 (the first update's gain).
+    H = 3.0
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=H)
+    params = jnp.zeros(2)
+    step = vmapped(tx)
+    _, state = step(jnp.array([[1.0, 0.0], [0.0, 1.0]]), tx.init(params), params)
+    s1 = optax_adascale.get_adascale_state(state)
+    var1, sqr1 = float(s1.grad_var), float(s1.grad_sqr)
+    assert float(s1.gain) == pytest.approx(2.0)
+    _, state = step(jnp.array([[3.0, 4.0], [3.0, 4.0]]), state, params)
+    s2 = optax_adascale.get_adascale_state(state)
+    theta = np.exp(-2.0 / H)
+    w1 = 1 - np.exp(-1.0 / H)  # the first update's θ used the initial gain 1
+    w2 = theta * w1 + (1 - theta)
+    var_t, sqr_t = 1e-6, 25.0 - 1e-6 / 2  # identical samples: σ̂² at the floor, μ̂² = b − σ̂²/S
+    assert float(s2.grad_var) == pytest.approx((theta * w1 * var1 + (1 - theta) * var_t) / w2, rel=1e-5)
+    assert float(s2.grad_sqr) == pytest.approx((theta * w1 * sqr1 + (1 - theta) * sqr_t) / w2, rel=1e-5)
+
+
+def test_a_horizon_pair_gives_each_average_its_own_memory():
+    grads = [jnp.array([[1.0, 0.0], [0.0, 1.0]]), jnp.array([[3.0, 4.0], [3.0, 5.0]])]
+    params = jnp.zeros(2)
+    runs = {}
+    for name, horizon in {"short": 1.0, "long": 100.0, "pair": (100.0, 1.0)}.items():
+        tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=horizon)
+        state = tx.init(params)
+        for g in grads:
+            _, state = vmapped(tx)(g, state, params)
+        runs[name] = optax_adascale.get_adascale_state(state)
+    assert float(runs["pair"].grad_var) == pytest.approx(float(runs["long"].grad_var), rel=1e-6)
+    assert float(runs["pair"].grad_sqr) == pytest.approx(float(runs["short"].grad_sqr), rel=1e-6)
+
+
+# --------------------------------------------------------------------------- gain exponent
+
+
+def test_gain_exponent_scales_the_step_by_a_power_of_the_gain_and_tau_by_the_gain():
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", gain_exponent=0.5)
+    params = jnp.zeros(2)
+    updates, state = vmapped(tx)(jnp.eye(2), tx.init(params), params)  # orthogonal: gain 2
+    m = optax_adascale.metrics(state)
+    assert float(m["gain"]) == pytest.approx(2.0)
+    np.testing.assert_allclose(updates, -np.sqrt(2.0) * 0.1 * np.array([0.5, 0.5]), rtol=1e-6)
+    assert float(m["learning_rate"]) == pytest.approx(np.sqrt(2.0) * 0.1, rel=1e-6)
+    assert float(m["scale_invariant_steps"]) == pytest.approx(2.0)
+
+
+# --------------------------------------------------------------------------- Adam-preconditioned statistics
+
+
+def test_adam_preconditioned_statistics_match_a_hand_computation():
+    b2, eps, n = 0.999, 1e-8, 2
+    tx = optax_adascale.adascale(optax.scale_by_adam(b2=b2, eps=eps), 1e-3, axis_name="i",
+                                 precondition=optax_adascale.adam_preconditioner(b2=b2, eps=eps))
+    params = jnp.zeros(2)
+    first = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    second = np.array([[2.0, 0.0], [0.0, 4.0]], np.float32)
+    _, state = vmapped(tx)(jnp.asarray(first), tx.init(params), params)
+    _, state = vmapped(tx)(jnp.asarray(second), state, params)
+
+    theta = 1 - n / 1000
+    # Update 1: no second moment yet, P = 1. Orthogonal unit samples: a = mean ‖g_i‖² = 1,
+    # b = ‖ḡ‖² = 0.5, σ̂² = S/(n−1)·(a − b) with S = 2.
+    a1, b1 = 1.0, 0.5
+    var1 = 2 / (n - 1) * (a1 - b1)
+    sqr1 = b1 - var1 / 2
+    # Update 2: v̂ = ν/(1 − β₂) = ḡ₁² = (0.25, 0.25), so P = 1/(0.5 + ε) per coordinate.
+    p = 1.0 / (0.5 + eps)
+    pg = second * p
+    a2 = np.mean(np.sum(pg**2, axis=1))
+    b2_ = np.sum(pg.mean(0) ** 2)
+    var2 = max(2 / (n - 1) * (a2 - b2_), 1e-6)
+    sqr2 = max(b2_ - var2 / 2, 0.0)
+    w2 = theta * (1 - theta) + (1 - theta)
+    var = (theta * (1 - theta) * var1 + (1 - theta) * var2) / w2
+    sqr = (theta * (1 - theta) * max(sqr1, 0.0) + (1 - theta) * sqr2) / w2
+    s = optax_adascale.get_adascale_state(state)
+    # rel 1e-4: Adam's bias correction 1 − β₂ᵗ is computed in float32 (1 − 0.999 is off by 5e-5 relative).
+    assert float(s.grad_var) == pytest.approx(var, rel=1e-4)
+    assert float(s.grad_sqr) == pytest.approx(sqr, rel=1e-4)
+    assert float(s.gain) == pytest.approx((var + sqr) / (var / 2 + sqr), rel=1e-4)
+
+
+def test_adam_preconditioner_without_adam_in_inner_names_the_fix():
+    tx = optax_adascale.adascale(optax.trace(0.9), 0.1, accumulation_steps=2,
+                                 precondition=optax_adascale.adam_preconditioner())
+    with pytest.raises(ValueError, match="scale_by_adam"):
+        tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))
