@@ -9,6 +9,9 @@ Variants, on the same MLP, mesh and data, compiled once and timed in alternating
   adascale  adascale_sgd(momentum=0.9, axis_name=...): current-step gain, one collective
   multi4    optax.MultiSteps(sgd, 4) on pmean'd gradients (a collective on every call)
   acc4      adascale_sgd(..., accumulation_steps=4): a collective on every 4th call only
+  delayed   adascale_sgd(..., delayed_gain=True): the gain of the averages through the last update
+  sgd_zero  SGD with the sharded update: reduce-scatter, momentum on a 1/n row, all-gather (shard_map only)
+  zero      adascale_sgd(..., shard_optimizer_state=n) (shard_map only): compare with sgd_zero
 
 A block runs ``--steps`` updates (4 calls each for the accumulating variants) and then blocks
 until done; one round times every variant once, in order; a block's ratio is its time over the
@@ -33,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = ("sgd", "floor", "floor_b", "adascale", "multi4", "acc4")
+VARIANTS = ("sgd", "floor", "floor_b", "adascale", "multi4", "acc4", "delayed", "sgd_zero", "zero")
+SHARD_MAP_ONLY = ("sgd_zero", "zero")
 AXIS = "data"
 
 
@@ -137,7 +141,25 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
         "adascale": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS), 1),
         "multi4": (optax.MultiSteps(optax.sgd(lr, momentum=0.9), every_k_schedule=4), 4),
         "acc4": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, accumulation_steps=4), 4),
+        "delayed": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, delayed_gain=True), 1),
+        "sgd_zero": (sgd, 1),
+        "zero": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, shard_optimizer_state=n), 1),
     }
+    from optax_adascale._zero import from_rows, to_rows
+
+    def zero_sgd_body(params, state, xb, yb):
+        """The honest baseline for ZeRO: SGD's own sharded update, same collectives, no statistics."""
+        grads = jax.grad(loss_fn)(jax.lax.pcast(params, AXIS, to="varying"), xb, yb)
+        flat = jax.tree.map(lambda g: jnp.ravel(to_rows(g, n)), grads)
+        rows = jax.tree.map(lambda r: r / n, jax.lax.psum_scatter(flat, AXIS, scatter_dimension=0, tiled=True))
+        index = jax.lax.axis_index(AXIS)
+        p_rows = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(to_rows(p, n), index, keepdims=False), params)
+        local = jax.tree.map(lambda x: x.reshape(x.shape[1:]) if x.ndim == 2 else x, state)
+        u, local = sgd.update(rows, local, p_rows)
+        state = jax.tree.map(lambda x, old: x.reshape(old.shape), local, state)
+        full = jax.lax.all_gather(u, AXIS, axis=0, tiled=True, to="invarying")
+        updates = jax.tree.map(lambda f, p: from_rows(f, p), full, params)
+        return optax.apply_updates(params, updates), state, jnp.zeros([])
 
     def make_body(name, tx, vary):
         def body(params, state, xb, yb):
@@ -160,12 +182,20 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
 
     compiled, carry, hlo, compile_s = {}, {}, {}, {}
     for name in args.variants:
+        if mode != "shard_map" and name in SHARD_MAP_ONLY:
+            continue
         tx, k = txs[name]
         state0 = tx.init(params0)
+        if name == "sgd_zero":
+            state0 = tx.init(jax.tree.map(lambda p: to_rows(jnp.asarray(p), n), params0))
         if mode == "shard_map":
             state0 = optax_adascale.replicate_buffers(state0, n)
             specs = optax_adascale.state_partition_specs(state0, AXIS)
+            if name == "sgd_zero":
+                specs = jax.tree.map(lambda a: P(AXIS) if a.ndim == 2 else P(), state0)
             body = make_body(name, tx, lambda p: jax.lax.pcast(p, AXIS, to="varying"))
+            if name == "sgd_zero":
+                body = zero_sgd_body
             step = jax.jit(
                 jax.shard_map(
                     body, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs, P())
@@ -199,15 +229,19 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
             "largest_leaf_passes": _hlo.passes_over(text, largest_shape),
             "large_copies": _hlo.count_large_copies(text),
             "state_bytes": int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tx.init(params0)))),
+            "state_bytes_per_device": int(sum(
+                a.size * a.dtype.itemsize // (n if name in SHARD_MAP_ONLY and a.ndim == 2 else 1)
+                for a in jax.tree.leaves(state0))),
+            "collective_bytes": _hlo.collective_bytes(text, min_elements=2),
         }
         for _ in range(2 * k):  # warm up, keep the donated buffers flowing
             params, state, _ = exe(params, state, xs, ys)
         jax.block_until_ready(params)
         compiled[name], carry[name] = exe, (params, state, xs, ys)
 
-    times: dict[str, list[float]] = {name: [] for name in args.variants}
+    times: dict[str, list[float]] = {name: [] for name in compiled}
     for _ in range(args.rounds):
-        for name in args.variants:
+        for name in compiled:
             exe, k = compiled[name], txs[name][1]
             params, state, xs, ys = carry[name]
             t0 = time.perf_counter()
