@@ -49,13 +49,13 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from optax_adascale import _checks
 
 Array = jax.Array
 Schedule = Callable[[Any], Array]
@@ -74,55 +74,24 @@ __all__ = (
 )
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def _is_traced(value: Any) -> bool:
-    return isinstance(value, jax.core.Tracer)
-
-
-def _as_float(name: str, value: Any) -> float | None:
-    """``value`` as a Python float; ``None`` when traced. Raises for non-numbers."""
-    if _is_traced(value):
-        return None
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {name}={value!r}")
-    try:
-        arr = np.asarray(value)
-    except Exception as err:  # noqa: BLE001 - reported below with the argument's name
-        raise TypeError(f"{name} must be a number, got {name}={value!r}") from err
-    if arr.shape != () or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-        raise TypeError(f"{name} must be a real scalar, got {name}={value!r}")
-    return float(arr)
+# --------------------------------------------------------------------------- validation (one style: _checks)
 
 
 def _check_schedule(learning_rate: Any) -> Schedule:
-    if callable(learning_rate):
-        return learning_rate
-    x = _as_float("learning_rate", learning_rate)
-    if x is not None and not (math.isfinite(x) and x >= 0):
-        raise ValueError(
-            f"learning_rate must be a finite non-negative number or a schedule, got learning_rate={learning_rate!r}"
-        )
-    return lambda count: learning_rate
+    _checks.check_learning_rate(learning_rate)
+    return learning_rate if callable(learning_rate) else (lambda count: learning_rate)
 
 
 def _check_scale(scale: Any) -> None:
-    x = _as_float("scale", scale)
-    if x is not None and not (math.isfinite(x) and x >= 1):
-        raise ValueError(f"scale must be finite and >= 1, got scale={scale!r}")
+    _checks.check_number("scale", scale, low=1.0)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
-    x = _as_float(name, value)
-    if x is not None and not (math.isfinite(x) and x >= 1 and x == int(x)):
-        raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
+    _checks.check_number(name, value, low=1.0, integer=True)
 
 
 def _check_fraction(warmup_fraction: Any) -> None:
-    x = _as_float("warmup_fraction", warmup_fraction)
-    if x is not None and not (0 <= x <= 1):
-        raise ValueError(f"warmup_fraction must be in [0, 1], got warmup_fraction={warmup_fraction!r}")
+    _checks.check_number("warmup_fraction", warmup_fraction, low=0.0, high=1.0)
 
 
 # --------------------------------------------------------------------------- helpers
