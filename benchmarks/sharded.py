@@ -228,6 +228,53 @@ def measure(jax, width: int) -> list[dict]:
     return rows
 
 
+def gpt_shapes(d_model: int, layers: int, vocab: int, seq: int) -> dict:
+    """Parameter shapes of a GPT-2-style decoder (tied embedding)."""
+    import jax
+    import jax.numpy as jnp
+
+    f = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    block = {"ln1": f(d_model), "qkv": f(d_model, 3 * d_model), "qkv_b": f(3 * d_model), "proj": f(d_model, d_model),
+             "proj_b": f(d_model), "ln2": f(d_model), "fc": f(d_model, 4 * d_model), "fc_b": f(4 * d_model),
+             "out": f(4 * d_model, d_model), "out_b": f(d_model)}
+    return {"embed": f(vocab, d_model), "pos": f(seq, d_model), "blocks": [block] * layers, "ln_f": f(d_model)}
+
+
+def memory_rows(jax) -> list[dict]:
+    """Per-device optimizer-state bytes, replicated vs ZeRO, computed from the abstract states (no memory used)."""
+    import optax
+
+    import optax_adascale
+
+    models = {"GPT 124M (d 768, 12 layers)": gpt_shapes(768, 12, 50257, 1024),
+              "GPT 1.3B (d 2048, 24 layers)": gpt_shapes(2048, 24, 50257, 2048)}
+    inners = {"momentum SGD": optax.trace(0.9), "Adam": optax.scale_by_adam()}
+    rows = []
+    for model, shapes in models.items():
+        n_params = sum(int(np_prod(x.shape)) for x in jax.tree.leaves(shapes))
+        for inner_name, inner in inners.items():
+            rep = jax.eval_shape(optax_adascale.adascale(inner, 0.1, axis_name="data").init, shapes)
+            row = {"model": model, "params": n_params, "inner": inner_name, "replicated": _device_bytes(jax, rep, 1)}
+            for n in (8, 64, 1024):
+                tx = optax_adascale.adascale(inner, 0.1, axis_name="data", shard_optimizer_state=n)
+                row[n] = _device_bytes(jax, jax.eval_shape(tx.init, shapes), n)
+            rows.append(row)
+    return rows
+
+
+def np_prod(shape) -> int:
+    return int(np.prod(shape)) if len(shape) else 1
+
+
+def _device_bytes(jax, state, n: int) -> int:
+    """Bytes one device holds: ZeRO rows ``(n, m)`` count ``1/n``, everything else whole."""
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        size = np_prod(leaf.shape) * leaf.dtype.itemsize
+        total += size // n if n > 1 and len(leaf.shape) == 2 and leaf.shape[0] == n else size
+    return total
+
+
 def write_report(meta: dict, rows: list[dict], results_md: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).parent))
     import report
@@ -246,6 +293,17 @@ def write_report(meta: dict, rows: list[dict], results_md: Path) -> Path:
         out.append(f"| {r['layout']} | {fmt(r['collectives (AdaScale)'])} | {fmt(r['collectives (SGD)'])} | "
                    f"{r['gradient-sized bytes (AdaScale / SGD)']} | {r['extra scalar all-reduces']} | "
                    f"{r['memory per device (AdaScale / SGD)']:.4f} |")
+    import jax
+
+    out += ["", "### Optimizer state per device, replicated vs ZeRO (computed)", "",
+            "From `jax.eval_shape(tx.init, shapes)` of `adascale(inner, ..., shard_optimizer_state=n)`: the rows "
+            "`(n, m)` count 1/n per device (the last row's padding included), the O(1) scalars whole. MB = 10⁶ bytes.",
+            "", "| model | inner | replicated | n = 8 | n = 64 | n = 1024 | replicated / ZeRO at 1024 |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    for r in memory_rows(jax):
+        mb = lambda b: f"{b / 1e6:,.1f}"  # noqa: E731
+        out.append(f"| {r['model']} | {r['inner']} | {mb(r['replicated'])} | {mb(r[8])} | {mb(r[64])} | "
+                   f"{mb(r[1024])} | {r['replicated'] / r[1024]:.0f}× |")
     return report.write_section(results_md, "sharded", "\n".join(out))
 
 

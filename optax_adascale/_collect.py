@@ -186,15 +186,19 @@ def check_vmap_axis_not_explicit(grads: Any, axis_name: AxisName | None) -> None
         return
     found = {}
     for leaf in jax.tree.leaves(grads):
+        explicit = _explicit_spec(leaf)
         trace = getattr(leaf, "_trace", None)
         while trace is not None:
             data = getattr(trace, "axis_data", None) if isinstance(trace, batch_trace) else None
-            if data is not None and getattr(data, "name", None) in names and getattr(data, "explicit_mesh_axis", None):
-                found[data.name] = data.explicit_mesh_axis
+            if data is not None and getattr(data, "name", None) in names:
+                if getattr(data, "explicit_mesh_axis", None):
+                    found[data.name] = data.explicit_mesh_axis
+                elif explicit:  # the mapped arrays themselves are sharded on Explicit axes
+                    found[data.name] = explicit
             trace = getattr(trace, "parent_trace", None)
     if found:
         raise ValueError(
-            f"axis_name={axis_name!r}: the jax.vmap axes {found} map over arrays sharded on Explicit "
+            f"axis_name={axis_name!r}: the jax.vmap axes {found} map over (or carry) arrays sharded on Explicit "
             "mesh axes, which JAX 0.10 cannot reduce over under jit. Use a mesh with Auto axes "
             "(jax.sharding.Mesh(devices, names), or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))), "
             "wrap the vmapped step in jax.sharding.auto_axes under jax.set_mesh(mesh), or use jax.shard_map."
@@ -370,6 +374,17 @@ def reduce_statistics(
 
 
 # --------------------------------------------------------------------------- varying types under lax.cond
+
+
+def _explicit_spec(x: Any) -> tuple[str, ...]:
+    """The Explicit mesh axes ``x`` is sharded over (its type's sharding), or ``()``."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not hasattr(mesh, "axis_types"):
+        return ()
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    used = _spec_axes(getattr(sharding, "spec", None))
+    return tuple(sorted(a for a in used if "Explicit" in str(kinds.get(a))))
 
 
 def match_varying(x: Any, like: Any) -> Any:

@@ -205,3 +205,24 @@ def test_gspmd_workaround_auto_axes_on_explicit_mesh():
 
     params, _, log = train(step, lambda a: jax.device_put(a, sharding))
     assert_matches_shard_map(params, log)
+
+
+def test_vmap_axis_over_params_sharded_on_explicit_axes_raises_our_error_where_jax_cannot_reduce():
+    """Only the parameters are sharded (Explicit), the replica axis is not: JAX 0.10 fails inside psum too."""
+    mesh = explicit_mesh()
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name=AXIS)
+    with jax.set_mesh(mesh):
+        params = jax.numpy.zeros((2, N, 4), out_sharding=P(None, AXIS))
+        grads = jax.numpy.ones((2, 2, N, 4), out_sharding=P(None, None, AXIS))
+        step = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name=AXIS))
+        try:
+            jax.block_until_ready(jax.jit(jax.vmap(lambda g: jax.lax.psum(g, AXIS), axis_name=AXIS,
+                                                   out_axes=None))(grads))
+            jax_fails = False
+        except Exception:  # noqa: BLE001 - whatever JAX raises
+            jax_fails = True
+        if jax_fails:
+            with pytest.raises(ValueError, match=r"Explicit mesh axes.*Auto axes"):
+                step(grads, tx.init(params), params)
+        else:
+            step(grads, tx.init(params), params)
