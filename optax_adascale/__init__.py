@@ -4,7 +4,7 @@ Johnson, Agrawal, Gu, Guestrin, "AdaScale SGD: A User-Friendly Algorithm for
 Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
 """
 
-from optax_adascale import scaling_rules
+from optax_adascale import goodput, scaling_rules
 from optax_adascale._adam import adam_preconditioner
 from optax_adascale._adascale import AdaScaleState, adascale
 from optax_adascale._alias import adascale_sgd
@@ -39,6 +39,7 @@ __all__ = (
     "fsdp_shard",
     "fsdp_unshard",
     "get_adascale_state",
+    "goodput",
     "metrics",
     "noise_scale",
     "replicate_buffers",
