@@ -248,17 +248,16 @@ def _accumulate(cfg, grads, local_sq, state, step):
     """
     k = cfg.accumulation_steps
     acc_grads, acc_sq = state.acc_grads, state.acc_sq_norm
-    squeeze = lambda a, like: jnp.reshape(a, jnp.shape(like))  # noqa: E731
-    expand = lambda x, like: jnp.reshape(x, jnp.shape(like))  # noqa: E731
+    like = lambda x, other: jnp.reshape(x, jnp.shape(other))  # noqa: E731 - buffer <-> per-replica shapes
     scalars = state._replace(acc_grads=None, acc_sq_norm=None)
 
     # The cond neither takes nor returns the buffers (a pass-through output
     # would be copied on every accumulating call); the reducing branch reads
     # them, and they are updated after the cond, in place.
     def reduce_branch(state):
-        mean = lambda a, g: ((squeeze(a, g) + g.astype(a.dtype)) / k).astype(g.dtype)  # noqa: E731
+        mean = lambda a, g: ((like(a, g) + g.astype(a.dtype)) / k).astype(g.dtype)  # noqa: E731
         local = jax.tree.map(mean, acc_grads, grads)
-        new_updates, new_state = step(local, (squeeze(acc_sq, local_sq) + local_sq) / k, state)
+        new_updates, new_state = step(local, (like(acc_sq, local_sq) + local_sq) / k, state)
         return new_updates, new_state._replace(micro_step=jnp.zeros_like(state.micro_step)), jnp.bool_(True)
 
     out_types = jax.eval_shape(reduce_branch, scalars)
@@ -271,8 +270,8 @@ def _accumulate(cfg, grads, local_sq, state, step):
     last = state.micro_step >= k - 1
     new_updates, new_state, reduced = lax.cond(last, reduce_branch, accumulate_branch, scalars)
     # `reduced` (not `last`) orders these writes after the cond's reads.
-    new_acc = jax.tree.map(lambda a, g: jnp.where(reduced, 0, a + expand(g.astype(a.dtype), a)), acc_grads, grads)
-    new_sq = jnp.where(reduced, 0, acc_sq + expand(local_sq, acc_sq))
+    new_acc = jax.tree.map(lambda a, g: jnp.where(reduced, 0, a + like(g.astype(a.dtype), a)), acc_grads, grads)
+    new_sq = jnp.where(reduced, 0, acc_sq + like(local_sq, acc_sq))
     return new_updates, new_state._replace(acc_grads=new_acc, acc_sq_norm=new_sq)
 
 # --------------------------------------------------------------------------- factories
