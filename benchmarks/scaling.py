@@ -11,7 +11,11 @@ stream of batches:
   AdaScale's iteration count at that scale and seed
   (``scaling_rules.stretched_linear_warmup``);
 * ``LSW``: ``optax.sgd(momentum)`` with linear scaling and warm-up over
-  ``T/S`` iterations (``scaling_rules.linear_warmup``).
+  ``T/S`` iterations (``scaling_rules.linear_warmup``);
+* estimator variants of AdaScale (``ESTIMATORS``, ``--estimators``), e.g.
+  ``"AS-H(T/100)"``: ``optax_adascale.adascale(optax.trace(momentum), lr,
+  horizon=T/100)``, and ``"AS-H(T/100)+unfloored"`` (also ``unbiased_sqr=True``);
+  see :func:`estimator_options`.
 
 Gradients are averaged over the replicas with ``lax.pmean`` (inside AdaScale's
 update for AS). A whole run is one jitted program: a ``lax.scan`` over
@@ -25,6 +29,8 @@ Usage::
     python benchmarks/scaling.py --tasks digits --scales 1 2 4   # one chunk
     python benchmarks/scaling.py --smoke --out /tmp/scaling      # < 60 s, every code path
     python benchmarks/scaling.py --tune                  # the S = 1 learning-rate sweep
+    python benchmarks/scaling.py --tasks regression --scales 4 16 64 --seeds 1 --no-baselines --no-report \
+        --estimators "AS-H(T/50)" "AS-H(T/10,T/50)"      # explore estimator variants (tracking table on stdout)
 
 Outputs: the "scaling" section of ``benchmarks/RESULTS.md`` and ``benchmarks/plots/scaling_*.png``
 (or under ``--out``).
@@ -41,6 +47,7 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import operator  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -61,6 +68,7 @@ from optax_adascale import scaling_rules  # noqa: E402
 
 AXIS = "replicas"
 METHODS = ("AS", "LSW+", "LSW")
+ESTIMATORS = ("AS-H(T/100)", "AS-H(T/100)+unfloored")  # variants run beside AS (see estimator_options)
 SCALES = (1, 2, 4, 8, 16, 32, 64)
 NUM_EVALS = 16  # evaluation checkpoints per run (plus the initial one)
 OFFLINE_BATCHES = 1000  # fresh base batches per checkpoint for the offline gain (paper Fig. 2)
@@ -74,8 +82,54 @@ HERE = Path(__file__).resolve().parent
 # --------------------------------------------------------------------------- optimizers
 
 
+def is_adascale(method):
+    """``"AS"`` (FairScale's estimator) or an estimator variant ``"AS-…"`` (see :func:`estimator_options`)."""
+    return method == "AS" or method.startswith("AS-")
+
+
+def _base_steps(text, task):
+    """``"T/20"`` → ``T/20`` base steps of ``task``; ``"150"`` → 150."""
+    if text.startswith("T/"):
+        return task.total_steps / float(text[2:])
+    return float(text)
+
+
+def estimator_options(task, method):
+    """The ``optax_adascale.adascale`` estimator options of an AdaScale variant.
+
+    ``"AS"`` is the package default (FairScale's ``θ = 1 − S/1000``). A variant
+    is ``"AS-"`` followed by ``+``-joined options:
+
+    * ``H(h)``: ``horizon=h``; ``H(h_var,h_sqr)``: separate memories for σ̄² and
+      μ̄². Each ``h`` is a number of base steps or ``T/k`` (the task's budget
+      over ``k``), e.g. ``"AS-H(T/20)"``, ``"AS-H(T/5,T/50)"``;
+    * ``paper``: ``averaging="paper"``;
+    * ``s(θ)``: ``smoothing=θ``;
+    * ``unfloored``: ``unbiased_sqr=True``: the per-step ``μ̂²`` enters its average unfloored and only the
+      average is floored at 0 (FairScale floors each step's estimate).
+    """
+    if method == "AS":
+        return {}
+    if not method.startswith("AS-"):
+        raise ValueError(f"not an AdaScale method: {method!r}")
+    options = {}
+    for part in method[3:].split("+"):
+        if part == "unfloored":
+            options["unbiased_sqr"] = True
+        elif part == "paper":
+            options["averaging"] = "paper"
+        elif part.startswith("H(") and part.endswith(")"):
+            hs = tuple(_base_steps(h, task) for h in part[2:-1].split(","))
+            options["horizon"] = hs[0] if len(hs) == 1 else hs
+        elif part.startswith("s(") and part.endswith(")"):
+            options["smoothing"] = float(part[2:-1])
+        else:
+            raise ValueError(f"unknown estimator option {part!r} in {method!r}")
+    return options
+
+
 def build_optimizer(task, method, scale, num_iterations, stretched=None):
-    """``(tx, lr_fn)`` for ``"AS"`` or a fixed rule; ``lr_fn`` is ``None`` for AdaScale.
+    """``(tx, lr_fn)`` for ``"AS"``, an ``"AS-…"`` variant or a fixed rule; ``lr_fn`` is ``None`` for AdaScale.
 
     The two fixed rules share one compiled program: ``"SGD"`` builds both
     schedules and picks LSW+ where the (possibly traced) ``stretched`` flag is
@@ -84,6 +138,12 @@ def build_optimizer(task, method, scale, num_iterations, stretched=None):
     base = task.schedule()
     if method == "AS":
         return optax_adascale.adascale_sgd(base, momentum=task.momentum, axis_name=AXIS), None
+    if is_adascale(method):
+        # adascale_sgd(momentum=μ) is adascale(optax.trace(μ)) (its zero weight decay is skipped); the estimator
+        # options beyond FairScale's (horizon) are only on adascale().
+        inner = optax.trace(decay=task.momentum)
+        options = estimator_options(task, method)
+        return optax_adascale.adascale(inner, base, axis_name=AXIS, **options), None
     lsw = scaling_rules.linear_warmup(base, scale, task.total_steps)
     lsw_plus = scaling_rules.stretched_linear_warmup(base, scale, task.total_steps, num_iterations)
     if method == "LSW":
@@ -128,7 +188,7 @@ def compiled_phase(task, method, scale, log_size, num_evals):
 
         def replica_step(params, opt_state, batch):
             loss, grads = jax.value_and_grad(task.loss)(params, batch)
-            if method != "AS":
+            if not is_adascale(method):
                 grads = lax.pmean(grads, AXIS)  # plain data-parallel SGD; AdaScale reduces inside
             updates, opt_state = tx.update(grads, opt_state, params)
             return lax.pmean(loss, AXIS), updates, opt_state
@@ -136,7 +196,7 @@ def compiled_phase(task, method, scale, log_size, num_evals):
         step = jax.vmap(replica_step, in_axes=(None, None, 0), out_axes=None, axis_name=AXIS)
 
         def progress(opt_state, it):
-            if method == "AS":
+            if is_adascale(method):
                 return optax_adascale.get_adascale_state(opt_state).tau_whole
             return it
 
@@ -150,7 +210,7 @@ def compiled_phase(task, method, scale, log_size, num_evals):
                 true_gain = jnp.float32(jnp.nan)
             loss, updates, opt_state = step(params, opt_state, batch)
             params = optax.apply_updates(params, updates)
-            if method == "AS":
+            if is_adascale(method):
                 m = optax_adascale.metrics(opt_state)
                 lr, gain = m["learning_rate"], m["gain"]
             else:
@@ -166,7 +226,7 @@ def compiled_phase(task, method, scale, log_size, num_evals):
 
             carry = lax.while_loop(cond, body, carry)
             params, opt_state, it, _ = carry
-            if method == "AS":
+            if is_adascale(method):
                 tau = optax_adascale.scale_invariant_steps(opt_state)
             else:
                 tau = it.astype(jnp.float32) * steps_per_iteration
@@ -183,16 +243,23 @@ def compiled_phase(task, method, scale, log_size, num_evals):
 
 @functools.cache
 def compiled_offline_moments(task, num_batches):
-    """``(snapshots, key) -> (σ², μ²)`` per snapshot from ``num_batches`` fresh base batches (paper Fig. 2)."""
+    """``(snapshots, key) -> (σ², μ²)`` per snapshot from ``num_batches`` fresh base batches (paper Fig. 2).
+
+    Each ``(σ², μ²)`` comes with the same estimate from either half of the batches (``((σ², μ²), half 1, half 2)``).
+    """
+
+    def estimate(flat):
+        k = flat.shape[0]
+        mean = flat.mean(0)
+        sigma2 = jnp.sum((flat - mean) ** 2) / (k - 1)
+        return sigma2, jnp.sum(mean**2) - sigma2 / k
 
     def moments(params, key):
         batches = task.sample(key, num_batches)
         grads = jax.vmap(jax.grad(task.loss), in_axes=(None, 0))(params, batches)
         flat = jnp.concatenate([g.reshape(num_batches, -1) for g in jax.tree.leaves(grads)], axis=1)
-        mean = flat.mean(0)
-        sigma2 = jnp.sum((flat - mean) ** 2) / (num_batches - 1)
-        mu2 = jnp.sum(mean**2) - sigma2 / num_batches
-        return sigma2, mu2
+        half = num_batches // 2  # two independent half-size estimates: the reference's own noise
+        return estimate(flat), estimate(flat[:half]), estimate(flat[half : 2 * half])
 
     def run(snapshots, key):
         keys = jax.random.split(key, jax.tree.leaves(snapshots)[0].shape[0])
@@ -230,7 +297,7 @@ def _phases(task, method, scale, as_iterations, num_evals):
             lo = hi
         return phases
     n = num_iterations_for(task, method, scale, as_iterations)
-    if method == "AS":
+    if is_adascale(method):
         targets = [round(k * T / num_evals) for k in range(1, num_evals + 1)]
     else:
         targets = [math.ceil(k * n / num_evals) for k in range(1, num_evals + 1)]
@@ -256,7 +323,7 @@ def run_cell(task, method, scale, seed, *, as_iterations=None, num_evals=NUM_EVA
     evals = [{"tau": 0.0, "it": 0, "scale": phases[0][0], **{k: float(v) for k, v in first.items()}}]
     logs = {k: [] for k in ("it", "lr", "gain", "true_gain", "loss")}
     snapshots = []
-    program = "AS" if opt_method == "AS" else "SGD"
+    program = opt_method if is_adascale(opt_method) else "SGD"
     for s, targets, n in phases:
         fn = compiled_phase(task, program, s, task.total_steps, num_evals)
         padded = np.asarray(targets + [targets[-1]] * (num_evals - len(targets)), np.int32)
@@ -288,12 +355,13 @@ def run_cell(task, method, scale, seed, *, as_iterations=None, num_evals=NUM_EVA
         "logs": {k: [logs[k][i] for i in keep] for k in logs},
     }
     if offline_batches:
-        sig, mu = compiled_offline_moments(task, offline_batches)(snapshots, k_offline)
+        (sig, mu), (sig1, mu1), (sig2, mu2) = compiled_offline_moments(task, offline_batches)(snapshots, k_offline)
         record["offline"] = {
             "tau": record["curve"]["tau"][1:],
             "sigma2": _tolist(sig),
             "mu2": _tolist(mu),
             "batches": offline_batches,
+            "halves": {"sigma2": [_tolist(sig1), _tolist(sig2)], "mu2": [_tolist(mu1), _tolist(mu2)]},
         }
     record["wall_s"] = time.perf_counter() - start
     return record
@@ -309,7 +377,9 @@ class Cache:
         self.directory = directory
 
     def path(self, task, method, scale, seed):
-        tag = "elastic" if method == "elastic" else f"{method.replace('+', 'plus')}_S{scale}"
+        # "AS", "LSW", "LSW+" → AS, LSW, LSWplus; a variant "AS-H(T/5,T/50)" → AS-H_T_5_T_50
+        name = re.sub(r"[^A-Za-z0-9.-]+", "_", method.replace("+", "plus")).strip("_")
+        tag = "elastic" if method == "elastic" else f"{name}_S{scale}"
         return self.directory / f"{task.name}_{tag}_seed{seed}.json"
 
     def get(self, task, method, scale, seed):
@@ -331,10 +401,26 @@ class Cache:
         tmp.replace(path)
 
 
-def run_grid(tasks, scales, seeds, cache, *, num_evals, offline_batches, elastic_tasks=None, log=None):
+def run_grid(
+    tasks,
+    scales,
+    seeds,
+    cache,
+    *,
+    num_evals,
+    offline_batches,
+    elastic_tasks=None,
+    log=None,
+    estimators=(),
+    estimator_seeds=None,
+    estimator_tasks=None,
+    baselines=True,
+):
     """All cells (cached ones are loaded); returns ``{(task, method, S, seed): record}``.
 
-    The elastic run is done for the tasks named in ``elastic_tasks`` (all if ``None``).
+    The elastic run is done for the tasks named in ``elastic_tasks`` (all if ``None``). ``estimators``: AdaScale
+    variants (``"AS-…"``) run beside ``"AS"`` on the first ``estimator_seeds`` seeds (all if ``None``), for the
+    tasks named in ``estimator_tasks`` (all if ``None``). ``baselines=False`` skips LSW+, LSW and the elastic run.
     """
     log = log or functools.partial(print, flush=True)
     results = {}
@@ -345,21 +431,27 @@ def run_grid(tasks, scales, seeds, cache, *, num_evals, offline_batches, elastic
             record = run_cell(task, method, scale, seed, num_evals=num_evals, **kw)
             cache.put(record, task)
             log(
-                f"  {task.name:10s} {method:7s} S={scale:<3d} seed={seed}  iters={record['iterations']:5d}  "
+                f"  {task.name:10s} {method:14s} S={scale:<3d} seed={seed}  iters={record['iterations']:5d}  "
                 f"{task.metric}={record['final']['metric']:.4g}  train loss={record['final']['train_loss']:.4g}"
                 f"  ({record['wall_s']:.1f} s)"
             )
         results[(task.name, method, scale, seed)] = record
         return record
 
+    variant_seeds = seeds if estimator_seeds is None else seeds[:estimator_seeds]
     for task in tasks:
+        variants = estimators if estimator_tasks is None or task.name in estimator_tasks else ()
         for scale in scales:
             for seed in seeds:
                 off = offline_batches if (task.name == OFFLINE_TASK and seed == seeds[0]) else 0
                 as_record = cell(task, "AS", scale, seed, offline_batches=off)
-                cell(task, "LSW+", scale, seed, as_iterations=as_record["iterations"])
-                cell(task, "LSW", scale, seed)
-        if elastic_tasks is None or task.name in elastic_tasks:
+                if baselines:
+                    cell(task, "LSW+", scale, seed, as_iterations=as_record["iterations"])
+                    cell(task, "LSW", scale, seed)
+                # At S = 1 AdaScale is the identity whatever its estimator: the variants share AS's cell.
+                for method in variants if seed in variant_seeds and scale > 1 else ():
+                    cell(task, method, scale, seed, offline_batches=off)
+        if baselines and (elastic_tasks is None or task.name in elastic_tasks):
             for seed in seeds:
                 cell(task, "elastic", ELASTIC_PHASES[-1][0], seed)
     return results
@@ -458,7 +550,6 @@ def gain_error_table(tasks, results, scales, seed):
         "| task | online gain vs | " + " | ".join(f"S={s}" for s in scales) + " |",
         "|---|---|" + "---:|" * len(scales),
     ]
-    pct = lambda x: f"{100 * x:+.0f} %"  # noqa: E731
     for task in tasks:
         row_true, row_off, batches = [], [], OFFLINE_BATCHES
         for s in scales:
@@ -467,18 +558,12 @@ def gain_error_table(tasks, results, scales, seed):
                 row_true.append("—")
                 row_off.append("—")
                 continue
-            it = np.asarray(r["logs"]["it"], np.float64)
-            gain, true = np.asarray(r["logs"]["gain"]), np.asarray(r["logs"]["true_gain"])
-            if task.moments is not None:
-                late = it >= 0.1 * r["iterations"]
-                rel = gain[late] / true[late] - 1.0
-                weights = np.gradient(it[late])  # the logs are thinned unevenly: weight by iterations covered
-                row_true.append(f"{pct(np.average(rel, weights=weights))} / {pct(rel[-1])}")
-            if "offline" in r:
+            track = gain_tracking(task, r, s)
+            if "closed" in track:
+                row_true.append(f"{_pct(track['closed'][0])} / {_pct(track['closed'][1])}")
+            if "offline" in track:
                 batches = r["offline"].get("batches", OFFLINE_BATCHES)
-                off = offline_gain(r, s)
-                rel = np.interp(r["offline"]["tau"], _log_tau(r), gain) / off - 1.0
-                row_off.append(f"{pct(np.mean(rel))} / {pct(rel[-1])}")
+                row_off.append(f"{_pct(track['offline'][0])} / {_pct(track['offline'][1])}")
             else:
                 row_off.append("—")
         if task.moments is not None:
@@ -489,6 +574,157 @@ def gain_error_table(tasks, results, scales, seed):
                 f"{' | '.join(row_off)} |"
             )
     return "\n".join(lines)
+
+
+def _pct(x):
+    return f"{100 * x:+.0f} %"
+
+
+def gain_tracking(task, record, scale):
+    """How closely a run's online gain followed the truth: relative deviations (negative: online lower).
+
+    Returns a dict with, where available,
+
+    * ``"closed"``: ``(mean after the first 10 % of iterations, at the end, mean absolute deviation after
+      10 %)`` against the closed form (regression; the means weight the thinned logs by the iterations each
+      covers);
+    * ``"offline"``: ``(mean over checkpoints, at the end, noise, standard error of the mean)`` against the
+      offline estimate, where ``noise`` is the RMS relative standard error of the offline gain itself, from its
+      two halves (``|r₁ − r₂|/2`` estimates the standard error of their mean), and the standard error is the
+      spread of the deviations over the checkpoints ``/ √K``.
+    """
+    out = {}
+    it = np.asarray(record["logs"]["it"], np.float64)
+    gain = np.asarray(record["logs"]["gain"])
+    if task.moments is not None:
+        true = np.asarray(record["logs"]["true_gain"])
+        late = it >= 0.1 * record["iterations"]
+        rel = gain[late] / true[late] - 1.0
+        weights = np.gradient(it[late]) if late.sum() > 1 else None  # the logs are thinned unevenly
+        out["closed"] = (
+            float(np.average(rel, weights=weights)),
+            float(rel[-1]),
+            float(np.average(np.abs(rel), weights=weights)),
+        )
+    if "offline" in record:
+        off = offline_gain(record, scale)
+        rel = np.interp(record["offline"]["tau"], _log_tau(record), gain) / off - 1.0
+        noise = float("nan")
+        halves = record["offline"].get("halves")
+        if halves is not None:
+            g1, g2 = (_gain(np.asarray(sig), np.asarray(mu), scale) for sig, mu in zip(*halves.values(), strict=True))
+            noise = float(np.sqrt(np.mean(((g1 - g2) / 2 / off) ** 2)))
+        se = float(np.std(rel, ddof=1) / math.sqrt(len(rel))) if len(rel) > 1 else float("nan")
+        out["offline"] = (float(np.mean(rel)), float(rel[-1]), noise, se)
+    return out
+
+
+def tracking_table(tasks, results, scales, seeds, methods):
+    """:func:`gain_tracking` of each method at each ``S > 1``, as a Markdown table.
+
+    Closed form (regression): means over the seeds of (mean deviation after 10 % of iterations / at the end /
+    mean absolute deviation). Offline (first seed only): mean deviation over the checkpoints ± its standard error
+    / at the end; a first row gives the offline estimate's own noise.
+    """
+    scales = [s for s in scales if s > 1]
+    lines = [
+        "| task | reference | estimator | " + " | ".join(f"S={s}" for s in scales) + " |",
+        "|---|---|---|" + "---:|" * len(scales),
+    ]
+    for task in tasks:
+        if task.moments is not None:
+            for method in methods:
+                cells = []
+                for s in scales:
+                    recs = [results.get((task.name, method, s, seed)) for seed in seeds]
+                    tracks = [gain_tracking(task, r, s)["closed"] for r in recs if r is not None]
+                    if not tracks:
+                        cells.append("—")
+                        continue
+                    mean, end, dev = np.mean(tracks, axis=0)
+                    cells.append(f"{_pct(mean)} / {_pct(end)} / {100 * dev:.0f} %")
+                n = sum((task.name, method, scales[-1], seed) in results for seed in seeds)
+                label = f"closed form, {n} seed{'s' if n > 1 else ''}: mean / end / mean abs."
+                lines.append(f"| {task.name} | {label} | {_label(method)} | {' | '.join(cells)} |")
+        offline = {s: results.get((task.name, "AS", s, seeds[0]), {}).get("offline") for s in scales}
+        if not any(offline.values()):
+            continue
+        noise = [gain_tracking(task, results[(task.name, "AS", s, seeds[0])], s)["offline"][2] for s in scales]
+        lines.append(
+            f"| {task.name} | offline estimate's own noise (RMS) | — | "
+            + " | ".join("—" if not math.isfinite(x) else f"±{100 * x:.0f} %" for x in noise)
+            + " |"
+        )
+        for method in methods:
+            cells = []
+            for s in scales:
+                r = results.get((task.name, method, s, seeds[0]))
+                t = gain_tracking(task, r, s).get("offline") if r is not None else None
+                cells.append("—" if t is None else f"{100 * t[0]:+.0f} ± {100 * t[3]:.0f} % / {_pct(t[1])}")
+            label = f"offline, seed {seeds[0]}: mean ± s.e. over checkpoints / end"
+            lines.append(f"| {task.name} | {label} | {_label(method)} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def _quality_flags(task, results, method, scale, seeds, scales):
+    """``(records, flag)``: ✗ significantly worse than S = 1 or a diverged seed; ↓ worse than AS at this S."""
+    recs = [results.get((task.name, method if scale > 1 else "AS", scale, seed)) for seed in seeds]
+    if any(r is None for r in recs):
+        return None, ""
+    metric = [r["final"]["metric"] for r in recs]
+    base = [results[(task.name, "AS", scales[0], seed)]["final"]["metric"] for seed in seeds]
+    flag = " ✗" if scale != scales[0] and (any(map(_diverged, recs)) or is_worse(task, base, metric)) else ""
+    if method != "AS" and scale > 1:
+        ref = [results[(task.name, "AS", scale, seed)]["final"]["metric"] for seed in seeds]
+        flag += " ↓" if is_worse(task, ref, metric) else ""
+    return recs, flag
+
+
+def estimator_table(task, results, scales, seeds, methods):
+    """Final metric and iterations of AS and its estimator variants, the variants' iterations relative to AS."""
+    head = "| S |" + "".join(
+        f" {_label(m)} {task.metric} | {_label(m)} iters |" + ("" if m == "AS" else " vs AS |") for m in methods
+    )
+    lines = [head, "|---:|" + "".join("---:|---:|" + ("" if m == "AS" else "---:|") for m in methods)]
+    fmt = (lambda m, s: _fmt(m, s, 2)) if task.higher_is_better else _fmt_sci
+    for scale in scales:
+        row = f"| {scale} |"
+        as_iters = None
+        for method in methods:
+            recs, flag = _quality_flags(task, results, method, scale, seeds, scales)
+            if recs is None:
+                row += " — | — |" + ("" if method == "AS" else " — |")
+                continue
+            iters = _stats([r["iterations"] for r in recs])[0]
+            row += f" {fmt(*_stats([r['final']['metric'] for r in recs])[:2])}{flag} | {iters:.0f} |"
+            if method == "AS":
+                as_iters = iters
+            else:
+                row += f" {100 * (iters / as_iters - 1):+.0f} % |" if as_iters else " — |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def iterations_saved_table(tasks, results, scales, seeds, method):
+    """AS's iterations → the variant's, per task and ``S``, with the quality flags of :func:`estimator_table`."""
+    scales_up = [s for s in scales if s > 1]
+    lines = ["| task | " + " | ".join(f"S={s}" for s in scales_up) + " |", "|---|" + "---:|" * len(scales_up)]
+    for task in tasks:
+        cells = []
+        for s in scales_up:
+            as_recs, _ = _quality_flags(task, results, "AS", s, seeds, scales)
+            recs, flag = _quality_flags(task, results, method, s, seeds, scales)
+            if as_recs is None or recs is None:
+                cells.append("—")
+                continue
+            a, b = (_stats([r["iterations"] for r in rs])[0] for rs in (as_recs, recs))
+            cells.append(f"{a:.0f} → {b:.0f} ({100 * (b / a - 1):+.0f} %){flag}")
+        lines.append(f"| {task.name} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def _label(method):
+    return "AS (default)" if method == "AS" else f"`{method}`"
 
 
 def check_closed_form(task, num_batches=50_000, seed=0):
@@ -503,10 +739,13 @@ def check_closed_form(task, num_batches=50_000, seed=0):
     return float(emp_sigma2 / sigma2 - 1), float(emp_mu2 / mu2 - 1), num_batches
 
 
+def _gain(sigma2, mu2, scale):
+    mu2 = np.maximum(mu2, 0.0)
+    return (sigma2 + mu2) / (sigma2 / scale + mu2)
+
+
 def offline_gain(record, scale):
-    sig = np.asarray(record["offline"]["sigma2"])
-    mu = np.maximum(np.asarray(record["offline"]["mu2"]), 0.0)
-    return (sig + mu) / (sig / scale + mu)
+    return _gain(np.asarray(record["offline"]["sigma2"]), np.asarray(record["offline"]["mu2"]), scale)
 
 
 def _log_tau(record):
@@ -639,6 +878,51 @@ def make_plots(tasks, results, scales, seeds, plot_dir):
     return paths
 
 
+def make_tracking_plot(tasks, results, scales, seed, methods, plot_dir):
+    """Online gain of AS and its estimator variants vs the closed form (regression) and the offline estimate."""
+    shown = [s for s in scales if s in (16, 64)] or [max(scales)]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [t for t in tasks if t.moments is not None]
+    panels += [t for t in tasks if any("offline" in results.get((t.name, "AS", s, seed), {}) for s in shown)]
+    if not panels or len(methods) < 2:
+        return None
+    fig, axes = plt.subplots(len(panels), len(shown), figsize=(5.5 * len(shown), 3.4 * len(panels)), squeeze=False)
+    colors = ["0.55", "tab:red", "tab:blue", "tab:green"]
+    for i, task in enumerate(panels):
+        for j, s in enumerate(shown):
+            ax = axes[i, j]
+            for method, color in zip(methods, colors, strict=False):
+                r = results.get((task.name, method, s, seed))
+                if r is None:
+                    continue
+                tau = _log_tau(r)
+                ax.plot(tau, r["logs"]["gain"], color=color, lw=0.9, label=f"online, {_label(method).strip('`')}")
+                if task.moments is not None:
+                    ax.plot(tau, r["logs"]["true_gain"], color=color, ls="--", lw=1.3, label="closed form (same run)")
+                if "offline" in r:
+                    ax.plot(
+                        r["offline"]["tau"],
+                        offline_gain(r, s),
+                        "o",
+                        color=color,
+                        mec="k",
+                        mew=0.5,
+                        ms=5,
+                        label="offline (same run)",
+                    )
+            ax.set_title(f"{task.title}, S = {s}, seed {seed}")
+            ax.set_xlabel("τ (base-batch steps)")
+            ax.set_ylabel("gain r_t")
+            ax.set_ylim(0, s * 1.05)
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    return _save(fig, plot_dir / "scaling_tracking.png", plt)
+
+
 def _elastic_scale(tau, task):
     for s, frac in ELASTIC_PHASES:
         if tau < frac * task.total_steps:
@@ -664,10 +948,13 @@ PLOT_CAPTIONS = {
     "batches at checkpoints (MNIST-1D), seed 0 (paper Fig. 2).",
     "scaling_elastic.png": "elastic AdaScale, S = 2 → 4 → 8 at τ = T/4 and T/2, against constant S = 2 and S = 8 "
     "(top, means over seeds), and its gain (bottom, seed 0).",
+    "scaling_tracking.png": "online gain of the default estimator (grey) and of the horizon estimator (colour) vs the "
+    "closed form of the same run (regression, dashed) and vs the offline estimate at its checkpoints (MNIST-1D, "
+    "dots), at S = 16 and 64, seed 0.",
 }
 
 
-def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_s, *, smoke=False):
+def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_s, *, smoke=False, estimators=()):
     """Write the "scaling" section of ``path`` (RESULTS.md); its hand-written reading is kept."""
     rel = lambda p: os.path.relpath(p, path.parent)  # noqa: E731
     reading = report.kept_reading(path, "scaling")
@@ -744,10 +1031,54 @@ def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_
         "",
         gain_error_table(tasks, results, scales, seeds[0]),
     ]
+    variants = [m for m in estimators if any(k[1] == m for k in results)]
+    if variants:
+        out += ["", estimator_section(tasks, results, scales, seeds, variants)]
     out += ["", "### Plots", ""]
     for p in plot_paths:
         out += [f"- `{rel(p)}`: {PLOT_CAPTIONS.get(Path(p).name, '')}", "", f"  ![{Path(p).stem}]({rel(p)})", ""]
     return report.write_section(path, "scaling", "\n".join(out))
+
+
+def estimator_section(tasks, results, scales, seeds, variants):
+    """The "A gain that keeps up" subsection: tracking, quality and iterations of the estimator variants."""
+    tasks = [t for t in tasks if any(k[0] == t.name and k[1] == variants[0] for k in results)]
+    v_seeds = [
+        seed for seed in seeds if all((t.name, variants[0], s, seed) in results for t in tasks for s in scales if s > 1)
+    ]
+    methods = ("AS", *variants)
+    out = [
+        "### A gain that keeps up: estimator options",
+        "",
+        "AS is the package default (FairScale's moving average, θ = 1 − S/1000 per update). `AS-H(h)` is "
+        "`optax_adascale.adascale(optax.trace(μ), lr, horizon=h)`: moving averages whose memory is h base-batch "
+        "steps of τ (θ_t = exp(−r_{t−1}/h)); `AS-H(h_σ,h_μ)` gives σ̄² and μ̄² their own; `T/k` is the task's "
+        "budget over k (MNIST-1D 3072, digits 1536, regression 2048 base steps). `+unfloored` is "
+        "`unbiased_sqr=True`: each step's μ̂² enters the average unfloored and only the average is floored at 0 "
+        "(the default, like FairScale, floors each step's μ̂² at 0, which biases μ̄² up, hence the gain down, once "
+        "μ² is small next to the noise of μ̂²). At S = 1 every "
+        f"variant is AS (the identity). Variants: seeds {', '.join(map(str, v_seeds))}.",
+        "",
+        "**Tracking.** Relative deviation of the online gain from the closed form (regression: mean after the "
+        "first 10 % of iterations / at the end / mean absolute deviation, averaged over the seeds) and from the "
+        "offline 1000-batch estimate (MNIST-1D, seed 0: mean over the 16 checkpoints ± its standard error / at "
+        "the end; the offline estimate's own noise, from its two halves, in the first row).",
+        "",
+        tracking_table(tasks, results, scales, v_seeds, methods),
+        "",
+        "**Quality and iterations** (mean ± std over the variants' seeds; ✗: significantly worse than S = 1 as in "
+        "the tables above; ↓: significantly worse than AS at the same S, by the same test).",
+    ]
+    for t in tasks:
+        out += ["", f"{t.title} ({t.metric}):", "", estimator_table(t, results, scales, v_seeds, methods)]
+    for method in variants:
+        out += [
+            "",
+            f"**Iterations at equal quality**, AS → {_label(method)} (mean over seeds; flags as above):",
+            "",
+            iterations_saved_table(tasks, results, scales, v_seeds, method),
+        ]
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- tuning
@@ -778,6 +1109,15 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--no-report", action="store_true", help="run cells only (for chunks)")
     parser.add_argument("--tune", action="store_true", help="S = 1 learning-rate sweep")
+    parser.add_argument(
+        "--estimators",
+        nargs="+",
+        default=None,
+        metavar="AS-…",
+        help=f"AdaScale estimator variants run beside AS, e.g. 'AS-H(T/20)' (default: {' '.join(ESTIMATORS)})",
+    )
+    parser.add_argument("--estimator-seeds", type=int, default=None, help="seeds for the variants (default: all)")
+    parser.add_argument("--no-baselines", action="store_true", help="skip LSW+, LSW and the elastic run")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -787,6 +1127,7 @@ def main(argv=None):
         jax.config.update("jax_disable_most_optimizations", True)
         cache = Cache(None)
         scales, seeds, num_evals, offline, elastic_tasks = (1, 8), [0], 4, 50, {"digits"}
+        estimator_tasks = {"regression"}
     else:
         cache = Cache(out / ".cache" / "scaling")
         scales, seeds, num_evals, offline, elastic_tasks = (
@@ -796,6 +1137,7 @@ def main(argv=None):
             OFFLINE_BATCHES,
             None,
         )
+        estimator_tasks = None
     scales = tuple(args.scales) if args.scales else scales
     data_cache = None if args.smoke else HERE / ".cache" / "scaling"
     all_tasks = scaling_tasks.make_tasks(smoke=args.smoke, cache_dir=data_cache)
@@ -805,12 +1147,31 @@ def main(argv=None):
         tune(tasks, (0.01, 0.02, 0.05, 0.1, 0.2), seeds)
         return 0
 
+    if args.estimators is not None:
+        estimators = tuple(args.estimators)
+    else:  # smoke: the last variant alone covers every code path of the variants (the package options have tests)
+        estimators = ESTIMATORS[-1:] if args.smoke else ESTIMATORS
+    for method in estimators:
+        estimator_options(tasks[0], method)  # fail on a typo before any training
     results = run_grid(
-        tasks, scales, seeds, cache, num_evals=num_evals, offline_batches=offline, elastic_tasks=elastic_tasks
+        tasks,
+        scales,
+        seeds,
+        cache,
+        num_evals=num_evals,
+        offline_batches=offline,
+        elastic_tasks=elastic_tasks,
+        estimators=estimators,
+        estimator_seeds=args.estimator_seeds,
+        estimator_tasks=estimator_tasks,
+        baselines=not args.no_baselines,
     )
+    print(tracking_table(tasks, results, scales, seeds, ("AS", *estimators)))
     if args.no_report:
         return 0
     plot_paths = make_plots(tasks, results, scales, seeds, out / "plots")
+    tracking = make_tracking_plot(tasks, results, scales, seeds[0], ("AS", *estimators[:1]), out / "plots")
+    plot_paths += [tracking] if tracking is not None else []
     command = "python benchmarks/scaling.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     report = write_report(
         out / "RESULTS.md",
@@ -822,6 +1183,7 @@ def main(argv=None):
         command.strip(),
         time.perf_counter() - start,
         smoke=args.smoke,
+        estimators=estimators,
     )
     print(f"wrote {report} and {len(plot_paths)} plots in {time.perf_counter() - start:.1f} s")
     return 0

@@ -26,7 +26,8 @@ class AdaScaleState(NamedTuple):
       tau_whole: int32 ``[]``, ``⌊τ⌋``: the schedule's clock, exact.
       tau_frac: float32 ``[]``, ``τ − ⌊τ⌋ ∈ [0, 1)``.
       grad_sqr: float32 ``[]``, the moving average ``μ̄²`` of ``‖∇L‖²``; with
-        ``param_labels``, a dict label → float32 ``[]``.
+        ``param_labels``, a dict label → float32 ``[]``. (With
+        ``unbiased_sqr`` it may dip below 0; readers floor it.)
       grad_var: float32 ``[]``, the moving average ``σ̄²`` of the variance of one
         base-batch gradient (base-batch units); a dict with ``param_labels``.
       group_gains: dict label → float32 ``[]``, each group's gain of the last
@@ -91,6 +92,7 @@ class _Config:
     horizon: Any
     gain_exponent: float
     precondition: Any
+    unbiased_sqr: bool
 
 # --------------------------------------------------------------------------- init
 
@@ -294,6 +296,7 @@ def adascale(
     horizon: float | tuple[float, float] | None = None,
     gain_exponent: float = 1.0,
     precondition: Any = None,
+    unbiased_sqr: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""AdaScale: scale a base-batch learning-rate schedule to ``S`` times larger batches.
 
@@ -385,6 +388,10 @@ def adascale(
         ``None``): the statistics are taken on ``P ⊙ g_i`` instead of ``g_i``,
         e.g. :func:`adam_preconditioner` (Adam's ``1/(√v̂ + ε)`` from the last
         update). One more read of ``P`` per squared norm.
+      unbiased_sqr: average each step's ``μ̂²`` unfloored and floor only the
+        average at 0. FairScale floors each step's estimate, which biases
+        ``μ̄²`` up (the gain down) once ``μ²`` is small next to its noise;
+        with ``horizon`` this tracks the true gain closely (see README).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``update`` also accepts
@@ -419,6 +426,7 @@ def adascale(
     _checks.check_learning_rate(learning_rate)
     _checks.check_choice("averaging", averaging, est.AVERAGING_MODES)
     _checks.check_bool("delayed_gain", delayed_gain)
+    _checks.check_bool("unbiased_sqr", unbiased_sqr)
     _checks.check_number("gain_exponent", gain_exponent, low=0.0, high=1.0)
     for h in horizon if isinstance(horizon, tuple) else (horizon,):
         _checks.check_number("horizon", h, low=0.0, low_open=True)
@@ -434,7 +442,8 @@ def adascale(
                 "pass the data-parallel axis_name."
             )
     cfg = _Config(learning_rate, axis_name, accumulation_steps, scale, smoothing, eps, param_labels, param_specs,
-                  shard_optimizer_state, delayed_gain, averaging, horizon, gain_exponent, precondition)
+                  shard_optimizer_state, delayed_gain, averaging, horizon, gain_exponent, precondition,
+                  unbiased_sqr)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):

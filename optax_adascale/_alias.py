@@ -43,6 +43,8 @@ def adascale_sgd(
     shard_optimizer_state: int | None = None,
     delayed_gain: bool = False,
     averaging: str = "debiased",
+    horizon: float | tuple[float, float] | None = None,
+    unbiased_sqr: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around SGD with PyTorch's semantics (FairScale's ``AdaScale(SGD(...))``).
 
@@ -70,6 +72,8 @@ def adascale_sgd(
       shard_optimizer_state: see :func:`adascale`.
       delayed_gain: see :func:`adascale`.
       averaging: see :func:`adascale`.
+      horizon: see :func:`adascale`.
+      unbiased_sqr: see :func:`adascale`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -109,4 +113,6 @@ def adascale_sgd(
         shard_optimizer_state=shard_optimizer_state,
         delayed_gain=delayed_gain,
         averaging=averaging,
+        horizon=horizon,
+        unbiased_sqr=unbiased_sqr,
     )

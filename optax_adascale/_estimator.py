@@ -35,6 +35,7 @@ def step_moments(
     num_samples: int,
     scale: float | Array,
     eps: float | Array,
+    floor_sqr: bool = True,
 ) -> tuple[Array, Array]:
     """This step's estimates of ``σ²`` and ``μ²`` in base-batch units.
 
@@ -51,13 +52,15 @@ def step_moments(
       num_samples: ``n ≥ 2``, a Python int.
       scale: ``S ≥ 1``.
       eps: floor of the variance estimate.
+      floor_sqr: floor ``μ̂²`` at 0 (FairScale). ``False`` leaves it unbiased
+        (possibly negative); the average is then floored where it is used.
 
     Returns:
       ``(σ̂², μ̂²)``, float32 ``[G]`` each.
     """
     var = scale / (num_samples - 1) * (mean_sq_norm - sq_norm_of_mean)
     sqr = sq_norm_of_mean - var / scale
-    return jnp.maximum(var, eps), jnp.maximum(sqr, 0.0)
+    return jnp.maximum(var, eps), jnp.maximum(sqr, 0.0) if floor_sqr else sqr
 
 
 def horizon_smoothing(last_gain: Array, horizon: float | Array) -> Array:
@@ -121,6 +124,7 @@ def gain_ratio(grad_var: Array, grad_sqr: Array, scale: float | Array) -> Array:
     denominator (no statistics yet) gives 1.
     """
     scale = jnp.asarray(scale, jnp.float32)
+    grad_sqr = jnp.maximum(grad_sqr, 0.0)  # an unbiased average may dip below 0
     num = grad_var + grad_sqr
     den = grad_var / scale + grad_sqr
     safe = den > 0

@@ -163,7 +163,7 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     out = {
         "gain": _value(s.gain),
         "scale_invariant_steps": scale_invariant_steps(s),
-        "grad_sqr": total(s.grad_sqr),
+        "grad_sqr": jnp.maximum(total(s.grad_sqr), 0.0),
         "grad_var": total(s.grad_var),
         "learning_rate": _value(s.effective_lr),
         "base_learning_rate": _value(s.base_lr),
@@ -194,7 +194,7 @@ def noise_scale(opt_state: Any) -> jax.Array:
     s = get_adascale_state(opt_state)
     var = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
     sqr = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
-    var, sqr = jnp.asarray(var, jnp.float32), jnp.asarray(sqr, jnp.float32)
+    var, sqr = jnp.asarray(var, jnp.float32), jnp.maximum(jnp.asarray(sqr, jnp.float32), 0.0)
     return jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
 
 

@@ -51,7 +51,7 @@ def _statistics(cfg, shape: Shape, a: Array, b: Array, state) -> _Statistics:
         ok = jnp.all(jnp.isfinite(a if cfg.delayed_gain else b))
         return _Statistics(count, state.ema_weight, state.sqr_weight, old_var, old_sqr, jnp.ones([], jnp.float32),
                            ones, jnp.bool_(False), ok)
-    var_t, sqr_t = est.step_moments(a, b, n, S, cfg.eps)
+    var_t, sqr_t = est.step_moments(a, b, n, S, cfg.eps, floor_sqr=not cfg.unbiased_sqr)
     theta_var, theta_sqr = _smoothing(cfg, shape, state)
     alpha_var, weight = est.ema_rate(count, state.ema_weight, theta_var, cfg.averaging)
     alpha_sqr, sqr_weight = est.ema_rate(count, state.sqr_weight, theta_sqr, cfg.averaging)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "scaling.py"
-PLOTS = ("scaling_curves.png", "scaling_lr.png", "scaling_gain.png", "scaling_elastic.png")
+PLOTS = ("scaling_curves.png", "scaling_lr.png", "scaling_gain.png", "scaling_elastic.png", "scaling_tracking.png")
 
 
 def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
@@ -25,8 +25,17 @@ def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
     report = (tmp_path / "RESULTS.md").read_text()
     for method in ("AS", "LSW+", "LSW"):
         assert f"| {method} val. accuracy (%) |" in report
-    for heading in ("MNIST-1D MLP", "digits MLP", "noisy linear regression", "Elastic AdaScale", "Gain estimates"):
+    for heading in (
+        "MNIST-1D MLP",
+        "digits MLP",
+        "noisy linear regression",
+        "Elastic AdaScale",
+        "Gain estimates",
+        "A gain that keeps up",
+        "Iterations at equal quality",
+    ):
         assert heading in report
+    assert "| `AS-H(T/100)+unfloored` |" in report  # an estimator variant (the benchmark's prototype)
     for name in PLOTS:
         path = tmp_path / "plots" / name
         assert path.stat().st_size > 0, name

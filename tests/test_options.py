@@ -140,3 +140,28 @@ def test_adam_preconditioner_without_adam_in_inner_names_the_fix():
                                  precondition=optax_adascale.adam_preconditioner())
     with pytest.raises(ValueError, match="scale_by_adam"):
         tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))
+
+
+# --------------------------------------------------------------------------- unbiased μ̄²
+
+
+def test_unbiased_sqr_averages_the_unfloored_estimate_and_floors_only_the_average():
+    # Update 1: samples [1, 0] and [−0.5, 0.5]: a = 0.75, ḡ = (0.25, 0.25), b = 0.125; n = S = 2 gives
+    # σ̂² = 2·(a − b) = 1.25 and μ̂² = b − σ̂²/2 = −0.5 (FairScale floors it at 0).
+    # Update 2: identical samples [3, 4]: σ̂² at the eps floor, μ̂² = 25 − eps/2.
+    n, eps = 2, 1e-6
+    theta = 1 - n / 1000
+    w2 = theta * (1 - theta) + (1 - theta)
+    sqr2 = 25.0 - eps / 2
+    params = jnp.zeros(2)
+    steps = [jnp.array([[1.0, 0.0], [-0.5, 0.5]]), jnp.array([[3.0, 4.0], [3.0, 4.0]])]
+    for unbiased, first in ((False, 0.0), (True, -0.5)):
+        tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", unbiased_sqr=unbiased)
+        _, state = vmapped(tx)(steps[0], tx.init(params), params)
+        s = optax_adascale.get_adascale_state(state)
+        assert float(s.grad_sqr) == pytest.approx(first, abs=1e-6)
+        assert float(optax_adascale.metrics(state)["grad_sqr"]) == 0.0  # readers floor the average
+        assert float(s.gain) == pytest.approx(2.0)  # μ̄² ≤ 0: pure noise, gain S
+        _, state = vmapped(tx)(steps[1], state, params)
+        s = optax_adascale.get_adascale_state(state)
+        assert float(s.grad_sqr) == pytest.approx((theta * (1 - theta) * first + (1 - theta) * sqr2) / w2, rel=1e-6)
