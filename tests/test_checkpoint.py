@@ -172,7 +172,8 @@ def test_checkpoint_mid_accumulation_resumes_bit_identically(tmp_path, mode):
 
 # --------------------------------------------------------------------------- (b) a new accumulation_steps
 
-_STATISTICS = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "ema_weight", "inner_state")
+_STATISTICS = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "ema_weight", "sqr_weight",
+               "inner_state")
 
 
 def test_transfer_state_to_new_accumulation_steps_after_restore(tmp_path):

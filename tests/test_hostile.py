@@ -50,7 +50,8 @@ def test_empty_param_tree_is_a_harmless_no_op():
     assert updates == {}
     m = optax_adascale.metrics(state)
     assert int(state.count) == 1 and int(m["skipped_steps"]) == 0
-    assert float(m["gain"]) == 2.0 and all(np.isfinite(float(v)) for v in jax.tree.leaves(m))
+    assert float(m["gain"]) == 2.0 and float(m["noise_scale"]) == np.inf  # pure noise: σ̄² = eps, μ̄² = 0
+    assert all(np.isfinite(float(v)) for k, v in m.items() if k != "noise_scale")
 
 
 def test_scalar_params_with_per_replica_accumulation():

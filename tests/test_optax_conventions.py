@@ -23,6 +23,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
@@ -501,7 +502,7 @@ def test_state_types_match_across_init_update_and_jit_on_an_explicit_mesh(optimi
                     "under jit (ValueError: 'Sharding spec ... does not evenly divide'), AdaScale or not")
     with jax.set_mesh(mesh):
         params = jnp.zeros((2, 8, 4), jnp.float16, out_sharding=P(None, "x"))
-        grads = jnp.full((2, 8, 4), 0.5, jnp.float16, out_sharding=P(None, "x"))
+        grads = jax.device_put(jnp.full((2, 8, 4), 0.5, jnp.float16), NamedSharding(mesh, P(None, "x")))
         eager_init = setup.init(tx, params)
         jit_init = jit(lambda p: setup.init(tx, p))(params)
         assert types(jit_init) == types(eager_init)
