@@ -116,6 +116,12 @@ def test_done_is_true_once_tau_reaches_the_budget_and_a_skip_does_not_reset_the_
 # --------------------------------------------------------------------------- shard_map mistakes
 
 
+def local_grads(params, x):
+    """This replica's gradient under shard_map: params marked varying over the data axis first."""
+    return jax.grad(lambda p: jnp.sum(p["w"] @ x[0]) + jnp.sum(p["b"] * x[0]))(
+        jax.lax.pcast(params, "data", to="varying"))
+
+
 def _shard_map(fn, n_in, check_vma=True):
     return jax.jit(jax.shard_map(fn, mesh=MESH, in_specs=(P(),) * (n_in - 1) + (P("data"),), out_specs=(P(), P()),
                                  check_vma=check_vma))
@@ -125,8 +131,7 @@ def test_axis_name_none_with_per_replica_gradients_under_shard_map_names_the_axi
     tx = optax_adascale.adascale_sgd(0.1)  # forgot axis_name="data"
 
     def step(params, state, x):
-        grads = jax.grad(lambda p: jnp.sum(p["w"] @ x[0]) + jnp.sum(p["b"] * x[0]))(
-            jax.lax.pcast(params, "data", to="varying"))
+        grads = local_grads(params, x)
         return tx.update(grads, state, params)
 
     with pytest.raises(ValueError, match=r"varies over the shard_map axes \[.data.\].*axis_name=.data."):
@@ -158,8 +163,7 @@ def test_gradients_reduced_after_pcast_name_the_reduction_as_the_cause(reduction
     tx = optax_adascale.adascale_sgd(0.1, axis_name="data")
 
     def step(params, state, x):
-        grads = jax.grad(lambda p: jnp.sum(p["w"] @ x[0]) + jnp.sum(p["b"] * x[0]))(
-            jax.lax.pcast(params, "data", to="varying"))
+        grads = local_grads(params, x)
         grads = getattr(jax.lax, reduction)(grads, "data")
         return tx.update(grads, state, params)
 
@@ -171,8 +175,7 @@ def test_accumulation_under_shard_map_without_replicate_buffers_names_the_fix():
     tx = optax_adascale.adascale_sgd(0.1, axis_name="data", accumulation_steps=2)
 
     def step(params, state, x):
-        grads = jax.grad(lambda p: jnp.sum(p["w"] @ x[0]) + jnp.sum(p["b"] * x[0]))(
-            jax.lax.pcast(params, "data", to="varying"))
+        grads = local_grads(params, x)
         return tx.update(grads, state, params)
 
     with pytest.raises(ValueError, match=r"replicate_buffers.*state_partition_specs"):
