@@ -10,11 +10,8 @@ from pathlib import Path
 
 HEADER = """# Benchmark results
 
-Two programs, their commands and their numbers. Timings are ratios against a baseline run side by
-side in the same process; absolute times from this 2-core CPU are not headline figures.
-
-1. [Scaling](#scaling): does AdaScale keep its promise? (`benchmarks/scaling.py`)
-2. [Overhead](#overhead): what does it cost per step? (`benchmarks/overhead.py`)
+Each program, its command and its numbers. Timings are ratios against a baseline run side by side in the
+same process; absolute times from this 2-core CPU are not headline figures.
 """
 
 
