@@ -7,7 +7,7 @@ Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
 from optax_adascale import goodput, scaling_rules
 from optax_adascale._adam import adam_preconditioner
 from optax_adascale._adascale import AdaScaleState, adascale
-from optax_adascale._alias import adascale_sgd
+from optax_adascale._alias import adascale_adamw, adascale_sgd
 from optax_adascale._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
 from optax_adascale._microbatch import MicrobatchStats, value_and_microbatch_grad
 from optax_adascale._state import (
@@ -31,6 +31,7 @@ __all__ = (
     "ShardedInnerState",
     "adam_preconditioner",
     "adascale",
+    "adascale_adamw",
     "adascale_sgd",
     "clip_by_global_norm",
     "done",

@@ -165,3 +165,53 @@ def test_unbiased_sqr_averages_the_unfloored_estimate_and_floors_only_the_averag
         _, state = vmapped(tx)(steps[1], state, params)
         s = optax_adascale.get_adascale_state(state)
         assert float(s.grad_sqr) == pytest.approx((theta * (1 - theta) * first + (1 - theta) * sqr2) / w2, rel=1e-6)
+
+
+def test_adam_preconditioner_floor_keeps_a_coordinate_without_history_from_pinning_the_gain():
+    # A coordinate whose first gradients are zero has v̂ = 0: without a floor its P ≈ 1/ε = 1e8, one such
+    # sample dominates the moving averages and the gain stays at S for the rest of the run.
+    def final_gain(zero_first_column, relative_floor):
+        tx = optax_adascale.adascale(optax.scale_by_adam(), 1e-3, axis_name="i",
+                                     precondition=optax_adascale.adam_preconditioner(relative_floor=relative_floor))
+        params, key = jnp.zeros(3), jax.random.key(0)
+        state, step = tx.init(params), vmapped(tx)
+        for t in range(200):
+            key, k = jax.random.split(key)
+            g = 1.0 + jax.random.normal(k, (4, 3))
+            if t == 0 and zero_first_column:
+                g = g.at[:, 2].set(0.0)
+            _, state = step(g, state, params)
+        return float(optax_adascale.metrics(state)["gain"])
+
+    clean = final_gain(False, 1e-2)
+    assert final_gain(True, 0.0) == pytest.approx(4.0, rel=1e-3)  # the failure the floor prevents
+    assert final_gain(True, 1e-2) == pytest.approx(clean, rel=0.15)
+
+
+# --------------------------------------------------------------------------- adascale_adamw
+
+
+def test_adascale_adamw_at_scale_one_is_optax_adamw():
+    params = {"w": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "b": jnp.array([0.1, -0.1])}
+    kw = dict(b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.05)
+    ours, ref = optax_adascale.adascale_adamw(3e-3, **kw), optax.adamw(3e-3, **kw)
+    s_ours, s_ref = ours.init(params), ref.init(params)
+    for t in range(5):
+        grads = jax.tree.map(lambda p, t=t: jnp.sin(p * (t + 1)), params)
+        u_ours, s_ours = ours.update(grads, s_ours, params)
+        u_ref, s_ref = ref.update(grads, s_ref, params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), u_ours, u_ref)
+        params = optax.apply_updates(params, u_ref)
+
+
+def test_adascale_adamw_scales_the_whole_adamw_step_by_the_gain():
+    # Two orthogonal samples: gain 2. First Adam step: m̂ = ḡ, v̂ = ḡ², direction ḡ/(|ḡ| + ε); decoupled
+    # decay wd·p joins it and the gain multiplies both (the decay per base-batch step stays the S = 1 one).
+    lr, wd, eps = 1e-2, 0.1, 1e-8
+    params = jnp.array([2.0, -4.0])
+    tx = optax_adascale.adascale_adamw(lr, weight_decay=wd, eps=eps, axis_name="i")
+    updates, state = vmapped(tx)(jnp.array([[1.0, 0.0], [0.0, 1.0]]), tx.init(params), params)
+    mean = np.array([0.5, 0.5])
+    expected = -2.0 * lr * (mean / (np.abs(mean) + eps) + wd * np.array([2.0, -4.0]))
+    np.testing.assert_allclose(updates, expected, rtol=1e-4)  # Adam's 1 − β₂ᵗ in float32: 2e-5 relative
+    assert float(optax_adascale.metrics(state)["gain"]) == pytest.approx(2.0)
