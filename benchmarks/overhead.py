@@ -11,6 +11,7 @@ Variants, on the same MLP, mesh and data, compiled once and timed in alternating
   acc4      adascale_sgd(..., accumulation_steps=4): a collective on every 4th call only
   delayed   adascale_sgd(..., delayed_gain=True): the gain of the averages through the last update
   sgd_zero  SGD with the sharded update: reduce-scatter, momentum on a 1/n row, all-gather (shard_map only)
+  zero_floor  sgd_zero plus each replica's local squared norm in a scalar psum: the least ZeRO AdaScale can do
   zero      adascale_sgd(..., shard_optimizer_state=n) (shard_map only): compare with sgd_zero
 
 A block runs ``--steps`` updates (4 calls each for the accumulating variants) and then blocks
@@ -26,6 +27,7 @@ Every step donates params and optimizer state, as a training loop would.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -36,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = ("sgd", "floor", "floor_b", "adascale", "multi4", "acc4", "delayed", "sgd_zero", "zero")
-SHARD_MAP_ONLY = ("sgd_zero", "zero")
+VARIANTS = ("sgd", "floor", "floor_b", "adascale", "multi4", "acc4", "delayed", "sgd_zero", "zero_floor", "zero")
+SHARD_MAP_ONLY = ("sgd_zero", "zero_floor", "zero")
 AXIS = "data"
 
 
@@ -143,13 +145,15 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
         "acc4": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, accumulation_steps=4), 4),
         "delayed": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, delayed_gain=True), 1),
         "sgd_zero": (sgd, 1),
+        "zero_floor": (sgd, 1),
         "zero": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, shard_optimizer_state=n), 1),
     }
     from optax_adascale._zero import from_rows, to_rows
 
-    def zero_sgd_body(params, state, xb, yb):
+    def zero_sgd_body(params, state, xb, yb, with_norm=False):
         """The honest baseline for ZeRO: SGD's own sharded update, same collectives, no statistics."""
         grads = jax.grad(loss_fn)(jax.lax.pcast(params, AXIS, to="varying"), xb, yb)
+        extra = jax.lax.psum(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)), AXIS) if with_norm else jnp.zeros([])
         flat = jax.tree.map(lambda g: jnp.ravel(to_rows(g, n)), grads)
         rows = jax.tree.map(lambda r: r / n, jax.lax.psum_scatter(flat, AXIS, scatter_dimension=0, tiled=True))
         index = jax.lax.axis_index(AXIS)
@@ -159,7 +163,7 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
         state = jax.tree.map(lambda x, old: x.reshape(old.shape), local, state)
         full = jax.lax.all_gather(u, AXIS, axis=0, tiled=True, to="invarying")
         updates = jax.tree.map(lambda f, p: from_rows(f, p), full, params)
-        return optax.apply_updates(params, updates), state, jnp.zeros([])
+        return optax.apply_updates(params, updates), state, extra
 
     def make_body(name, tx, vary):
         def body(params, state, xb, yb):
@@ -186,16 +190,16 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
             continue
         tx, k = txs[name]
         state0 = tx.init(params0)
-        if name == "sgd_zero":
+        if name in ("sgd_zero", "zero_floor"):
             state0 = tx.init(jax.tree.map(lambda p: to_rows(jnp.asarray(p), n), params0))
         if mode == "shard_map":
             state0 = optax_adascale.replicate_buffers(state0, n)
             specs = optax_adascale.state_partition_specs(state0, AXIS)
-            if name == "sgd_zero":
+            if name in ("sgd_zero", "zero_floor"):
                 specs = jax.tree.map(lambda a: P(AXIS) if a.ndim == 2 else P(), state0)
             body = make_body(name, tx, lambda p: jax.lax.pcast(p, AXIS, to="varying"))
-            if name == "sgd_zero":
-                body = zero_sgd_body
+            if name in ("sgd_zero", "zero_floor"):
+                body = functools.partial(zero_sgd_body, with_norm=name == "zero_floor")
             step = jax.jit(
                 jax.shard_map(
                     body, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs, P())
@@ -283,7 +287,8 @@ def write_report(files: list[Path], results_md: Path) -> Path:
 
     runs = [json.loads(f.read_text()) for f in files]
     rows = [(run["meta"], row) for run in runs for row in run["results"]]
-    plot = plot_ratios([row for _, row in rows], results_md.parent / "plots" / "overhead_ratios.png")
+    plot = plot_ratios([row for _, row in rows if "multi4" in row["ratios"]],
+                       results_md.parent / "plots" / "overhead_ratios.png")
     out = ["## Overhead", "", "Commands (each writes one JSON file; `--report` turns them into this section):", ""]
     out += [f"- `{run['meta']['command'].strip()}` on {run['meta']['device']}, host {run['meta']['host']}, "
             f"{run['meta']['rounds']} rounds of {run['meta']['steps_per_block']} updates per block" for run in runs]
@@ -297,12 +302,37 @@ def write_report(files: list[Path], results_md: Path) -> Path:
     ]
     for _, row in rows:
         r = row["ratios"]
+        if "multi4" not in r:
+            continue  # a ZeRO / delayed-gain run: its own table below
         floor_b = _ratio(r["floor_b"]) if "floor_b" in r else "–"
         out.append(
             f"| {row['mode']} | {row['params'] / 1e6:.1f}M | {row['per_device_batch']} | {_ratio(r['floor'])} | "
             f"{floor_b} | **{_ratio(r['adascale'])}** | {r['adascale']['median'] / r['floor']['median']:.3f} | "
             f"{_ratio(r['multi4'])} | **{_ratio(r['acc4'])}** |"
         )
+    zero_rows = [row for _, row in rows if "zero" in row["ratios"]]
+    if zero_rows:
+        out += [
+            "",
+            "### Sharded optimizer state (ZeRO) and the delayed gain",
+            "",
+            "Ratios to replicated SGD + pmean in the same rounds. `sgd_zero` is SGD with the same sharded update "
+            "(reduce-scatter, momentum on a 1/n row, all-gather): the honest baseline for `zero` "
+            "(`shard_optimizer_state=n`). `zero_floor` adds each replica's local squared norm in a scalar psum: "
+            "the least a sharded AdaScale can do.",
+            "",
+            "| params | sgd_zero | zero_floor | **zero** | zero / sgd_zero | zero / zero_floor | replicated adascale |"
+            " delayed |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in zero_rows:
+            r = row["ratios"]
+            out.append(
+                f"| {row['params'] / 1e6:.1f}M | {_ratio(r['sgd_zero'])} | {_ratio(r['zero_floor'])} | "
+                f"**{_ratio(r['zero'])}** | {r['zero']['median'] / r['sgd_zero']['median']:.3f} | "
+                f"{r['zero']['median'] / r['zero_floor']['median']:.3f} | {_ratio(r['adascale'])} | "
+                f"{_ratio(r['delayed'])} |"
+            )
     out += [
         "",
         "### Compiled-HLO facts",
@@ -318,7 +348,7 @@ def write_report(files: list[Path], results_md: Path) -> Path:
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for _, row in rows:
-        if row["per_device_batch"] != min(r["per_device_batch"] for _, r in rows):
+        if row["per_device_batch"] != min(r["per_device_batch"] for _, r in rows) and "zero" not in row["ratios"]:
             continue  # the HLO does not depend on the batch size beyond shapes
         for name, h in row["hlo"].items():
             p = h["largest_leaf_passes"]
