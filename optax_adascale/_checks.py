@@ -175,5 +175,6 @@ def probe_inner(inner: optax.GradientTransformationExtraArgs, params: Any) -> No
             f"{values.min():.3g}): it already contains a learning rate, e.g. optax.sgd(lr) or "
             "optax.adamw(lr). AdaScale applies the learning rate itself (−gain·lr(⌊τ⌋)), so the sign "
             "would flip and training would ascend. Pass a learning-rate-free direction: "
-            "optax.trace(0.9) for momentum SGD, optax.identity(), or optax.scale_by_adam() for Adam."
+            "optax.trace(0.9) for momentum SGD, optax.identity(), or optax.scale_by_adam() for Adam (or use "
+            "optax_adascale.adascale_sgd / adascale_adamw)."
         )
