@@ -141,7 +141,7 @@ def _update(cfg, inner, grads, state, params, microbatch_stats, fsdp_sq_norms, e
     """Local statistics, then one AdaScale step (or an accumulation-only call)."""
     _checks.check_grads(grads, params)
     if fsdp_sq_norms is not None:
-        _check_fsdp(cfg, params, microbatch_stats)
+        _checks.check_fsdp_update(cfg.shard_optimizer_state, cfg.accumulation_steps, microbatch_stats, params)
         microbatch_stats = MicrobatchStats(fsdp_sq_norms, 1)
     groups = _groups.resolve_groups(cfg.param_labels, grads if params is None else params)
     _collect.check_not_summed(grads, cfg.axis_name)
@@ -170,17 +170,6 @@ def _update(cfg, inner, grads, state, params, microbatch_stats, fsdp_sq_norms, e
         return step(grads, local_sq, state)
     _collect.check_buffers_per_replica(state.acc_sq_norm, cfg.axis_name)
     return _accumulate(cfg, grads, local_sq, state, step)
-
-
-def _check_fsdp(cfg: _Config, params: Any, microbatch_stats: Any) -> None:
-    if cfg.shard_optimizer_state is None:
-        raise ValueError("fsdp_sq_norms= needs shard_optimizer_state=n: the parameters and the inner state live in "
-                         "ZeRO rows (optax_adascale.fsdp_shard)")
-    if cfg.accumulation_steps != 1 or microbatch_stats is not None:
-        raise ValueError("fsdp_sq_norms= works with one sample per replica per update: no accumulation_steps, no "
-                         "microbatch_stats (use more data-parallel replicas)")
-    if params is None:
-        raise ValueError("fsdp_sq_norms= needs the parameter rows: tx.update(grads, opt_state, rows, ...)")
 
 
 def _preconditioner(cfg: _Config, inner_state: Any, grads: Any, microbatch_stats: Any) -> list[Array] | None:

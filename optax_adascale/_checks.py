@@ -126,6 +126,18 @@ def check_grads(grads: Any, params: Any) -> None:
         )
 
 
+def check_fsdp_update(shard_optimizer_state: Any, accumulation_steps: int, microbatch_stats: Any, params: Any) -> None:
+    """``update(..., fsdp_sq_norms=)`` needs the ZeRO rows layout, one sample per replica, and the parameter rows."""
+    if shard_optimizer_state is None:
+        raise ValueError("fsdp_sq_norms= needs shard_optimizer_state=n: the parameters and the inner state live in "
+                         "ZeRO rows (optax_adascale.fsdp_shard)")
+    if accumulation_steps != 1 or microbatch_stats is not None:
+        raise ValueError("fsdp_sq_norms= works with one sample per replica per update: no accumulation_steps, no "
+                         "microbatch_stats (use more data-parallel replicas)")
+    if params is None:
+        raise ValueError("fsdp_sq_norms= needs the parameter rows: tx.update(grads, opt_state, rows, ...)")
+
+
 # --------------------------------------------------------------------------- what inner is
 
 
