@@ -4,8 +4,7 @@ Johnson, Agrawal, Gu, Guestrin, "AdaScale SGD: A User-Friendly Algorithm for
 Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
 """
 
-from optax_adascale import goodput, scaling_rules
-from optax_adascale._adam import adam_preconditioner
+from optax_adascale import experimental, goodput, scaling_rules
 from optax_adascale._adascale import AdaScaleState, adascale
 from optax_adascale._alias import adascale_adamw, adascale_sgd
 from optax_adascale._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
@@ -14,7 +13,6 @@ from optax_adascale._state import (
     done,
     get_adascale_state,
     metrics,
-    noise_scale,
     replicate_buffers,
     scale_invariant_steps,
     state_axes,
@@ -29,12 +27,12 @@ __all__ = (
     "AdaScaleState",
     "MicrobatchStats",
     "ShardedInnerState",
-    "adam_preconditioner",
     "adascale",
     "adascale_adamw",
     "adascale_sgd",
     "clip_by_global_norm",
     "done",
+    "experimental",
     "fsdp_gather",
     "fsdp_probes",
     "fsdp_shard",
@@ -42,12 +40,10 @@ __all__ = (
     "get_adascale_state",
     "goodput",
     "metrics",
-    "noise_scale",
     "replicate_buffers",
-    "scaling_rules",
     "scale_invariant_steps",
+    "scaling_rules",
     "state_axes",
     "state_partition_specs",
     "transfer_state",
-    "value_and_microbatch_grad",
 )

@@ -9,7 +9,7 @@ import optax
 
 
 def adam_preconditioner(b2: float = 0.999, eps: float = 1e-8, relative_floor: float = 1e-2) -> Callable[[Any], Any]:
-    r"""``precondition=`` for :func:`adascale`: take the gain's statistics on Adam-preconditioned gradients.
+    r"""``precondition=`` for :func:`optax_adascale.experimental.adascale`: statistics on Adam-preconditioned gradients.
 
     Returns ``inner_state -> P`` with ``P = 1/(\sqrt{v̂} + ε)``, ``v̂ = ν/(1 − β₂^t)``
     read from the ``optax.scale_by_adam`` state inside ``inner`` — the second
@@ -34,8 +34,9 @@ def adam_preconditioner(b2: float = 0.999, eps: float = 1e-8, relative_floor: fl
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_adascale
-      >>> tx = optax_adascale.adascale(optax.scale_by_adam(), 1e-3, accumulation_steps=2,
-      ...                              precondition=optax_adascale.adam_preconditioner())
+      >>> from optax_adascale import experimental
+      >>> tx = experimental.adascale(optax.scale_by_adam(), 1e-3, accumulation_steps=2,
+      ...                            precondition=experimental.adam_preconditioner())
       >>> state = tx.init(jnp.zeros(2))
       >>> for g in (jnp.array([1.0, 0.0]), jnp.array([0.0, 1.0])):
       ...     _, state = tx.update(g, state)

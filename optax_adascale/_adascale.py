@@ -75,41 +75,31 @@ class AdaScaleState(NamedTuple):
     inner_state: Any
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Config:
-    """The factory's arguments, checked; read by the module-level steps below."""
+class _Collection:
+    """Where an update's samples come from: the factory's layout options, checked and resolved once."""
 
-    learning_rate: Any
     axis_name: Any
     accumulation_steps: int
     scale: Any
-    smoothing: Any
-    eps: Any
     param_labels: Any
     param_specs: Any
-    shard_optimizer_state: int | None
-    delayed_gain: bool
-    averaging: str
-    horizon: Any
-    gain_exponent: float
     precondition: Any
-    unbiased_sqr: bool
+
 
 # --------------------------------------------------------------------------- init
 
 
-def _init(cfg: _Config, inner: optax.GradientTransformationExtraArgs, params: Any) -> AdaScaleState:
+def _init(collection: _Collection, reduction: Any, inner: optax.GradientTransformationExtraArgs,
+          params: Any) -> AdaScaleState:
     _checks.check_inexact(params, "params")
-    groups = _groups.resolve_groups(cfg.param_labels, params)
+    groups = _groups.resolve_groups(collection.param_labels, params)
     _checks.probe_inner(inner, params)
-    if cfg.shard_optimizer_state is None:
-        inner_state = inner.init(params)
-    else:
-        inner_state = _zero.init_inner(inner, params, cfg.shard_optimizer_state)
+    inner_state = reduction.init_inner(inner, params)
     _checks.check_inner_state(inner_state)
     scalar = lambda dtype=jnp.float32: jnp.zeros([], dtype)  # noqa: E731 - a fresh buffer per field (donation)
     per_group = lambda value: groups.pack(jnp.full((groups.size,), value, jnp.float32))  # noqa: E731
     acc_grads = acc_sq = None
-    if cfg.accumulation_steps > 1:
+    if collection.accumulation_steps > 1:
         acc_grads = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_collect.compute_dtype(p.dtype)), params)
         acc_sq = jnp.zeros((groups.size,), jnp.float32)
     return AdaScaleState(
@@ -137,49 +127,54 @@ def _init(cfg: _Config, inner: optax.GradientTransformationExtraArgs, params: An
 # --------------------------------------------------------------------------- update: collect
 
 
-def _update(cfg, inner, grads, state, params, microbatch_stats, fsdp_sq_norms, extra_args):
+def _update(collection: _Collection, update: _step.Update, reduction: Any, grads: Any, state: AdaScaleState,
+            params: Any, microbatch_stats: MicrobatchStats | None, extra_args: dict[str, Any]):
     """Local statistics, then one AdaScale step (or an accumulation-only call)."""
     _checks.check_grads(grads, params)
-    if fsdp_sq_norms is not None:
-        _checks.check_fsdp_update(cfg.shard_optimizer_state, cfg.accumulation_steps, microbatch_stats, params)
-        microbatch_stats = MicrobatchStats(fsdp_sq_norms, 1)
-    groups = _groups.resolve_groups(cfg.param_labels, grads if params is None else params)
-    _collect.check_not_summed(grads, cfg.axis_name)
-    _collect.check_grads_follow_params(grads, params, cfg.axis_name)
-    _collect.check_vmap_axis_not_explicit(grads, cfg.axis_name)
-    model = _collect.model_axes(grads, params, cfg.axis_name, cfg.param_specs)
-    weights = _preconditioner(cfg, state.inner_state, grads, microbatch_stats)
+    groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
+    axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
+    scattered = _fsdp_statistics(microbatch_stats, collection.accumulation_steps)
+    reduction.check(axes, state, params, scattered)
+    weights = _preconditioner(collection.precondition, state.inner_state, grads, microbatch_stats)
     sq_leaves, k_micro = _local_sq_norms(grads, microbatch_stats, weights)
-    local_sq = groups.sums(model.mask(sq_leaves))
+    local_sq = groups.sums(axes.model.mask(sq_leaves))
 
-    replicas = _collect.axis_size(cfg.axis_name)
-    n = replicas * cfg.accumulation_steps * k_micro
-    S = _scale(cfg, n, replicas)
-    theta = est.default_smoothing(n) if cfg.smoothing is None else cfg.smoothing
-    shape = _step.Shape(groups=groups, model=model, n=n, S=S, theta=theta)
+    n = axes.replicas * collection.accumulation_steps * k_micro
+    S = _scale(collection, n, axes.replicas)
+    shape = _step.Shape(groups=groups, axes=axes, n=n, S=S)
 
     def step(local_grads, local_sq, state):
-        if cfg.shard_optimizer_state is not None:
-            return _zero.step(cfg, inner, shape, local_grads, local_sq, state, params, extra_args, _step.apply,
-                              prereduced=fsdp_sq_norms is not None)
-        with jax.named_scope("adascale/reduce"):
-            mean, a, b = _collect.reduce_statistics(local_grads, local_sq, cfg.axis_name, groups, model, weights)
-        return _step.apply(cfg, inner, shape, mean, a, b, state, params, extra_args)
+        return reduction.step(update, shape, local_grads, local_sq, state, params, extra_args, weights=weights,
+                              scattered=scattered)
 
-    if cfg.accumulation_steps == 1:
+    if collection.accumulation_steps == 1:
         return step(grads, local_sq, state)
-    _collect.check_buffers_per_replica(state.acc_sq_norm, cfg.axis_name)
-    return _accumulate(cfg, grads, local_sq, state, step)
+    _collect.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
+    return _accumulate(collection.accumulation_steps, grads, local_sq, state, step)
 
 
-def _preconditioner(cfg: _Config, inner_state: Any, grads: Any, microbatch_stats: Any) -> list[Array] | None:
+def _fsdp_statistics(microbatch_stats: Any, accumulation_steps: int) -> bool:
+    """Whether the statistics are FSDP probes' (the gradients are already reduce-scattered rows)."""
+    if microbatch_stats is not None and not isinstance(microbatch_stats, MicrobatchStats):
+        raise TypeError(
+            "microbatch_stats must be a MicrobatchStats (from value_and_grad, or the gradient of fsdp_probes), "
+            f"got {type(microbatch_stats).__name__}"
+        )
+    fsdp = microbatch_stats is not None and microbatch_stats.fsdp
+    if fsdp and (accumulation_steps != 1 or microbatch_stats.num_microbatches != 1):
+        raise ValueError("FSDP statistics (fsdp_probes) work with one sample per replica per update: "
+                         f"got accumulation_steps={accumulation_steps}; use more data-parallel replicas")
+    return fsdp
+
+
+def _preconditioner(precondition: Any, inner_state: Any, grads: Any, microbatch_stats: Any) -> list[Array] | None:
     """The per-leaf multipliers ``P`` of the statistics (``precondition(inner_state)``), or ``None``."""
-    if cfg.precondition is None:
+    if precondition is None:
         return None
     if microbatch_stats is not None:
         raise ValueError("precondition needs the gradients themselves: it cannot be combined with microbatch_stats "
                          "(use accumulation_steps or more replicas)")
-    weights = cfg.precondition(inner_state)
+    weights = precondition(inner_state)
     if weights is None:
         return None
     try:
@@ -209,9 +204,9 @@ def _local_sq_norms(grads: Any, microbatch_stats: MicrobatchStats | None,
     return leaves, microbatch_stats.num_microbatches
 
 
-def _scale(cfg: _Config, n: int, replicas: int) -> Any:
+def _scale(collection: _Collection, n: int, replicas: int) -> Any:
     """``S`` (``n`` by default); ``n = 1`` cannot estimate a variance for ``S > 1``."""
-    S = n if cfg.scale is None else cfg.scale
+    S = n if collection.scale is None else collection.scale
     S_value = _checks.concrete_float(S)
     if n == 1 and (S_value is None or S_value > 1):
         raise ValueError(
@@ -220,9 +215,9 @@ def _scale(cfg: _Config, n: int, replicas: int) -> Any:
             "accumulation_steps > 1, or pass microbatch_stats from value_and_microbatch_grad; or use "
             "scale=None (S = n = 1 is the identity)."
         )
-    if n == 1 and cfg.axis_name is not None and replicas == 1:
+    if n == 1 and collection.axis_name is not None and replicas == 1:
         warnings.warn(
-            f"axis_name={cfg.axis_name!r} has a single replica here, so AdaScale sees n = 1 gradient "
+            f"axis_name={collection.axis_name!r} has a single replica here, so AdaScale sees n = 1 gradient "
             "sample per update and is the identity (gain 1, plain SGD on lr(t)). To train at a larger "
             "scale on one device, split the batch into micro-batches (value_and_microbatch_grad + "
             "update(..., microbatch_stats=...)) or set accumulation_steps.",
@@ -231,13 +226,12 @@ def _scale(cfg: _Config, n: int, replicas: int) -> Any:
     return S
 
 
-def _accumulate(cfg, grads, local_sq, state, step):
+def _accumulate(k: int, grads: Any, local_sq: Array, state: AdaScaleState, step: Any):
     """Across-call accumulation: add to the per-replica buffers; every ``k``-th call reduces once and steps.
 
     Buffers are ``shape`` per replica, or ``(1, …, shape)`` when shard_map hands
     us our slice of a ``(replicas, …, shape)`` global array.
     """
-    k = cfg.accumulation_steps
     acc_grads, acc_sq = state.acc_grads, state.acc_sq_norm
     like = lambda x, other: jnp.reshape(x, jnp.shape(other))  # noqa: E731 - buffer <-> per-replica shapes
     scalars = state._replace(acc_grads=None, acc_sq_norm=None)
@@ -281,10 +275,7 @@ def adascale(
     param_specs: Any = None,
     shard_optimizer_state: int | None = None,
     delayed_gain: bool = False,
-    averaging: str = "debiased",
     horizon: float | tuple[float, float] | None = None,
-    gain_exponent: float = 1.0,
-    precondition: Any = None,
     unbiased_sqr: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""AdaScale: scale a base-batch learning-rate schedule to ``S`` times larger batches.
@@ -364,19 +355,10 @@ def adascale(
         ``t − 1`` (the first update uses gain 1); this step's sample enters
         them afterwards. Saves the read of ``ḡ`` that a current-step gain
         needs before the update; the default is FairScale's current-step gain.
-      averaging: ``"debiased"`` (FairScale's default) or ``"paper"``
-        (Appendix B.3: the plain mean of the samples while ``t < 1/(1−θ)``,
-        then the moving average).
       horizon: ``H``, the memory of the moving averages in base-batch steps
         (τ) instead of ``smoothing``: ``θ_t = exp(−r_{t−1}/H)``. A pair
         ``(H_σ², H_μ²)`` gives the two averages their own memories. See the
-        package README ("A gain that keeps up").
-      gain_exponent: ``p``: the step is ``r^p·lr(⌊τ⌋)`` while τ still advances
-        by ``r`` (AdaptDL's ``AdamScale`` uses ``p = 1/2``). 1 is AdaScale.
-      precondition: ``inner_state -> multipliers`` (a tree like the params, or
-        ``None``): the statistics are taken on ``P ⊙ g_i`` instead of ``g_i``,
-        e.g. :func:`adam_preconditioner` (Adam's ``1/(√v̂ + ε)`` from the last
-        update). One more read of ``P`` per squared norm.
+        docs ("A gain that keeps up").
       unbiased_sqr: average each step's ``μ̂²`` unfloored and floor only the
         average at 0. FairScale floors each step's estimate, which biases
         ``μ̄²`` up (the gain down) once ``μ²`` is small next to its noise;
@@ -384,9 +366,11 @@ def adascale(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``update`` also accepts
-      ``microbatch_stats=`` from :func:`value_and_microbatch_grad`,
-      ``fsdp_sq_norms=`` (the probes' gradients, with :func:`fsdp_gather`), and
-      forwards other keyword arguments to ``inner``.
+      ``microbatch_stats=``, the :class:`MicrobatchStats` of samples taken
+      outside the optimizer (from :func:`value_and_grad`, or the gradient of
+      :func:`fsdp_probes`), and forwards other keyword arguments to ``inner``.
+      Estimator experiments (``averaging``, ``gain_exponent``,
+      ``precondition``) are in :func:`optax_adascale.experimental.adascale`.
 
     Examples:
       Two replicas as a vmap axis; their gradients are orthogonal, so the
@@ -408,6 +392,34 @@ def adascale(
       Johnson, Agrawal, Gu, Guestrin, `AdaScale SGD: A User-Friendly Algorithm
       for Distributed Training <https://arxiv.org/abs/2007.05105>`_, ICML 2020.
     """
+    return build(
+        inner, learning_rate, axis_name=axis_name, accumulation_steps=accumulation_steps, scale=scale,
+        smoothing=smoothing, eps=eps, param_labels=param_labels, param_specs=param_specs,
+        shard_optimizer_state=shard_optimizer_state, delayed_gain=delayed_gain, horizon=horizon,
+        unbiased_sqr=unbiased_sqr,
+    )
+
+
+def build(
+    inner: optax.GradientTransformation,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    axis_name: Any = None,
+    accumulation_steps: int = 1,
+    scale: Any = None,
+    smoothing: Any = None,
+    eps: Any = 1e-6,
+    param_labels: Any = None,
+    param_specs: Any = None,
+    shard_optimizer_state: int | None = None,
+    delayed_gain: bool = False,
+    horizon: Any = None,
+    unbiased_sqr: bool = False,
+    averaging: str = est.DEBIASED,
+    gain_exponent: float = 1.0,
+    precondition: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Every option checked and resolved once into typed parts; the transformation's closures."""
     _checks.check_static_int("accumulation_steps", accumulation_steps)
     _checks.check_number("scale", scale, low=1.0)
     _checks.check_number("smoothing", smoothing, low=0.0, high=1.0, high_open=True)
@@ -417,28 +429,31 @@ def adascale(
     _checks.check_bool("delayed_gain", delayed_gain)
     _checks.check_bool("unbiased_sqr", unbiased_sqr)
     _checks.check_number("gain_exponent", gain_exponent, low=0.0, high=1.0)
-    for h in horizon if isinstance(horizon, tuple) else (horizon,):
-        _checks.check_number("horizon", h, low=0.0, low_open=True)
+    horizons = _checks.check_horizon(horizon)
     if precondition is not None and not callable(precondition):
         raise TypeError(f"precondition must be a function of inner's state, got precondition={precondition!r}")
     if precondition is not None and shard_optimizer_state is not None:
         raise ValueError("precondition is not supported with shard_optimizer_state")
-    if shard_optimizer_state is not None:
+    if shard_optimizer_state is None:
+        reduction = _step.AllReduce()
+    else:
         _checks.check_static_int("shard_optimizer_state", shard_optimizer_state)
         if axis_name is None:
             raise ValueError(
                 f"shard_optimizer_state={shard_optimizer_state!r} shards over the data axes, but axis_name=None; "
                 "pass the data-parallel axis_name."
             )
-    cfg = _Config(learning_rate, axis_name, accumulation_steps, scale, smoothing, eps, param_labels, param_specs,
-                  shard_optimizer_state, delayed_gain, averaging, horizon, gain_exponent, precondition,
-                  unbiased_sqr)
+        reduction = _zero.ZeroRows(shard_optimizer_state)
+    collection = _Collection(axis_name, accumulation_steps, scale, param_labels, param_specs, precondition)
+    estimator = est.Estimator(eps=eps, smoothing=smoothing, horizon=horizons, averaging=averaging,
+                              unbiased_sqr=unbiased_sqr, delayed_gain=delayed_gain, gain_exponent=gain_exponent)
     inner = optax.with_extra_args_support(inner)
+    update = _step.Update(inner, learning_rate, estimator)
 
     def init_fn(params):
-        return _init(cfg, inner, params)
+        return _init(collection, reduction, inner, params)
 
-    def update_fn(updates, state, params=None, *, microbatch_stats=None, fsdp_sq_norms=None, **extra_args):
-        return _update(cfg, inner, updates, state, params, microbatch_stats, fsdp_sq_norms, extra_args)
+    def update_fn(updates, state, params=None, *, microbatch_stats=None, **extra_args):
+        return _update(collection, update, reduction, updates, state, params, microbatch_stats, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -39,41 +39,35 @@ def adascale_sgd(
     smoothing: float | None = None,
     eps: float = 1e-6,
     param_labels: Any = None,
-    param_specs: Any = None,
     shard_optimizer_state: int | None = None,
     delayed_gain: bool = False,
-    averaging: str = "debiased",
-    horizon: float | tuple[float, float] | None = None,
-    unbiased_sqr: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around SGD with PyTorch's semantics (FairScale's ``AdaScale(SGD(...))``).
 
     ``weight_decay`` is added to the *averaged* gradient before momentum
     (``d = ḡ + wd·p``; ``m ← μm + d``; Nesterov uses ``d + μm``) and is never
-    part of the gain statistics; the step is ``−r_t·lr(⌊τ_t⌋)·m``. All other
-    arguments are those of :func:`adascale`. Every argument is an explicit
-    keyword, so ``optax.inject_hyperparams(adascale_sgd, static_args=(
-    "learning_rate", "nesterov", "axis_name", "accumulation_steps", ...))``
-    works (keep ``learning_rate`` static when it is a schedule, so that it
-    runs on ``τ``).
+    part of the gain statistics; the step is ``−r_t·lr(⌊τ_t⌋)·m``. The
+    AdaScale options are the ones most users set; for the rest (``param_specs``,
+    ``horizon``, ``unbiased_sqr``) use :func:`adascale` with
+    ``inner = optax.chain(optax.add_decayed_weights(wd), optax.trace(μ))``.
+    Every argument is an explicit keyword, so
+    ``optax.inject_hyperparams(adascale_sgd, static_args=("learning_rate",
+    "nesterov", "axis_name", "accumulation_steps", ...))`` works (keep
+    ``learning_rate`` static when it is a schedule, so that it runs on ``τ``).
 
     Args:
-      learning_rate: float or schedule of the base-batch step.
+      learning_rate: float or schedule of the base-batch step, evaluated at ``⌊τ⌋``.
       momentum: PyTorch momentum ``μ``, or ``None`` for plain SGD.
       nesterov: Nesterov momentum (requires ``momentum``).
       weight_decay: L2 coefficient added to the averaged gradient.
-      axis_name: see :func:`adascale`.
-      accumulation_steps: see :func:`adascale`.
-      scale: see :func:`adascale`.
-      smoothing: see :func:`adascale`.
-      eps: see :func:`adascale`.
-      param_labels: see :func:`adascale`.
-      param_specs: see :func:`adascale`.
-      shard_optimizer_state: see :func:`adascale`.
-      delayed_gain: see :func:`adascale`.
-      averaging: see :func:`adascale`.
-      horizon: see :func:`adascale`.
-      unbiased_sqr: see :func:`adascale`.
+      axis_name: the data-parallel axis (a name or a tuple of names), or ``None``.
+      accumulation_steps: calls accumulated per update (see :func:`adascale`).
+      scale: ``S``, base batches per update; defaults to the number of samples ``n``.
+      smoothing: ``θ ∈ [0, 1)`` of the moving averages; defaults to ``max(1 − n/1000, 0)``.
+      eps: floor of the per-step variance estimate (AdaScale's, not an SGD option).
+      param_labels: labels shaped like the params: a gain per group (see :func:`adascale`).
+      shard_optimizer_state: ``n``, the data-parallel size, for the ZeRO layout (see :func:`adascale`).
+      delayed_gain: the gain of update ``t`` from the averages through ``t − 1`` (see :func:`adascale`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -109,12 +103,8 @@ def adascale_sgd(
         smoothing=smoothing,
         eps=eps,
         param_labels=param_labels,
-        param_specs=param_specs,
         shard_optimizer_state=shard_optimizer_state,
         delayed_gain=delayed_gain,
-        averaging=averaging,
-        horizon=horizon,
-        unbiased_sqr=unbiased_sqr,
     )
 
 
@@ -135,11 +125,8 @@ def adascale_adamw(
     smoothing: float | None = None,
     variance_eps: float = 1e-6,
     param_labels: Any = None,
-    param_specs: Any = None,
     shard_optimizer_state: int | None = None,
     delayed_gain: bool = False,
-    horizon: float | tuple[float, float] | None = None,
-    unbiased_sqr: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around AdamW (experimental): ``optax.adamw``'s keywords, the gain from the raw gradients.
 
@@ -165,17 +152,14 @@ def adascale_adamw(
       weight_decay: decoupled weight decay (see ``optax.adamw``).
       mask: see ``optax.adamw``.
       nesterov: see ``optax.adamw``.
-      axis_name: see :func:`adascale`.
-      accumulation_steps: see :func:`adascale`.
-      scale: see :func:`adascale`.
-      smoothing: see :func:`adascale`.
-      variance_eps: :func:`adascale`'s ``eps``.
-      param_labels: see :func:`adascale`.
-      param_specs: see :func:`adascale`.
-      shard_optimizer_state: see :func:`adascale`.
-      delayed_gain: see :func:`adascale`.
-      horizon: see :func:`adascale`.
-      unbiased_sqr: see :func:`adascale`.
+      axis_name: the data-parallel axis (a name or a tuple of names), or ``None``.
+      accumulation_steps: calls accumulated per update (see :func:`adascale`).
+      scale: ``S``, base batches per update; defaults to the number of samples ``n``.
+      smoothing: ``θ ∈ [0, 1)`` of the moving averages; defaults to ``max(1 − n/1000, 0)``.
+      variance_eps: floor of the per-step variance estimate (:func:`adascale`'s ``eps``).
+      param_labels: labels shaped like the params: a gain per group (see :func:`adascale`).
+      shard_optimizer_state: ``n``, the data-parallel size, for the ZeRO layout (see :func:`adascale`).
+      delayed_gain: the gain of update ``t`` from the averages through ``t − 1`` (see :func:`adascale`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -204,9 +188,6 @@ def adascale_adamw(
         smoothing=smoothing,
         eps=variance_eps,
         param_labels=param_labels,
-        param_specs=param_specs,
         shard_optimizer_state=shard_optimizer_state,
         delayed_gain=delayed_gain,
-        horizon=horizon,
-        unbiased_sqr=unbiased_sqr,
     )

@@ -126,16 +126,22 @@ def check_grads(grads: Any, params: Any) -> None:
         )
 
 
-def check_fsdp_update(shard_optimizer_state: Any, accumulation_steps: int, microbatch_stats: Any, params: Any) -> None:
-    """``update(..., fsdp_sq_norms=)`` needs the ZeRO rows layout, one sample per replica, and the parameter rows."""
-    if shard_optimizer_state is None:
-        raise ValueError("fsdp_sq_norms= needs shard_optimizer_state=n: the parameters and the inner state live in "
-                         "ZeRO rows (optax_adascale.fsdp_shard)")
-    if accumulation_steps != 1 or microbatch_stats is not None:
-        raise ValueError("fsdp_sq_norms= works with one sample per replica per update: no accumulation_steps, no "
-                         "microbatch_stats (use more data-parallel replicas)")
-    if params is None:
-        raise ValueError("fsdp_sq_norms= needs the parameter rows: tx.update(grads, opt_state, rows, ...)")
+def check_horizon(horizon: Any) -> tuple[Any, Any] | None:
+    """``horizon``: ``None``, a positive number, or a pair of them; returned as ``(H_σ², H_μ²)``."""
+    if horizon is None:
+        return None
+    pair = horizon if isinstance(horizon, tuple | list) else (horizon, horizon)
+    if len(pair) != 2 or any(h is None for h in pair):
+        raise ValueError(
+            "horizon must be a positive number or a pair (H_var, H_sqr) of positive numbers, "
+            f"got horizon={horizon!r}"
+        )
+    for h in pair:
+        try:
+            check_number("horizon", h, low=0.0, low_open=True)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{err} (horizon={horizon!r}: a positive number or a pair of them)") from None
+    return tuple(pair)
 
 
 # --------------------------------------------------------------------------- what inner is

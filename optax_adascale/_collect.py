@@ -303,6 +303,37 @@ def model_axes(
     return ModelAxes(axes, tuple(split))
 
 
+# --------------------------------------------------------------------------- one call's axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Axes:
+    """The named axes of one ``update`` call, resolved once: the data axes, their size, the model axes."""
+
+    data: tuple[str, ...]
+    replicas: int
+    model: ModelAxes
+
+    @property
+    def name(self) -> AxisName | None:
+        """The data axes as the user names them: ``None``, a name, or a tuple."""
+        return None if not self.data else self.data[0] if len(self.data) == 1 else self.data
+
+    @property
+    def checked(self) -> bool:
+        """Whether shard_map tracks varying types for every data axis here (``check_vma=True``)."""
+        return bool(self.data) and all(vma_checked(name) for name in self.data)
+
+
+def resolve_axes(axis_name: AxisName | None, grads: Any, params: Any, param_specs: Any = None) -> Axes:
+    """The axes at this call, after every check that reads them (bound names, varying types, model axes)."""
+    replicas = axis_size(axis_name)
+    check_not_summed(grads, axis_name)
+    check_grads_follow_params(grads, params, axis_name)
+    check_vmap_axis_not_explicit(grads, axis_name)
+    return Axes(axis_names(axis_name), replicas, model_axes(grads, params, axis_name, param_specs))
+
+
 # --------------------------------------------------------------------------- squared norms
 
 
@@ -329,8 +360,7 @@ def _low(x: Array) -> bool:
 
 
 def reduce_statistics(
-    grads: Any, local_sq: Array, axis_name: AxisName | None, groups: _groups.Groups, model: ModelAxes,
-    weights: Sequence[Array] | None = None,
+    grads: Any, local_sq: Array, axes: Axes, groups: _groups.Groups, weights: Sequence[Array] | None = None,
 ) -> tuple[Any, Array, Array]:
     """The gradient's reduction, and ``‖ḡ‖²`` read straight off its output.
 
@@ -346,10 +376,9 @@ def reduce_statistics(
     Args:
       grads: this replica's gradients (its mean over its samples).
       local_sq: float32 ``[G]``, this replica's mean squared sample norm per group
-        (already masked by ``model.mask`` where leaves are replicated over model axes).
-      axis_name: the data axes, or ``None``.
+        (already masked by ``axes.model.mask`` where leaves are replicated over model axes).
+      axes: the call's data and model axes.
       groups: the parameter groups.
-      model: the model axes of every leaf.
       weights: optional per-leaf multipliers ``P``: ``b = ‖P ⊙ ḡ‖²`` (preconditioned statistics).
 
     Returns:
@@ -357,12 +386,13 @@ def reduce_statistics(
       (float32 ``[G]``), ``b = ‖ḡ‖²`` per group (float32 ``[G]``).
     """
     weigh = (lambda x, i: x) if weights is None else (lambda x, i: x * weights[i])  # noqa: E731
-    if axis_name is None:
+    model = axes.model
+    if not axes.data:
         mean, a = grads, local_sq
         b_leaves = [leaf_sq_norm(weigh(g, i)) for i, g in enumerate(jax.tree.leaves(grads))]
     else:
-        n = axis_size(axis_name)
-        sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if _low(x) else x, grads), local_sq), axis_name)
+        n = axes.replicas
+        sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if _low(x) else x, grads), local_sq), axes.data)
         b_leaves = [leaf_sq_norm(weigh(s, i)) if _low(s) else leaf_sq_norm(weigh(s, i)) / (n * n)
                     for i, s in enumerate(jax.tree.leaves(sums))]
         mean = jax.tree.map(lambda s: s if _low(s) else s / n, sums)

@@ -14,6 +14,9 @@ Notation (Johnson et al., 2020, Appendix B.3; FairScale 0.4.13):
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -22,6 +25,42 @@ Array = jax.Array
 DEBIASED = "debiased"
 PAPER = "paper"
 AVERAGING_MODES = (DEBIASED, PAPER)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """How the gain is estimated: the factory's estimator options, checked and resolved once.
+
+    Attributes:
+      eps: floor of each step's variance estimate.
+      smoothing: ``θ``, or ``None`` for FairScale's ``max(1 − n/1000, 0)``.
+      horizon: ``(H_σ², H_μ²)``, the averages' memories in base-batch steps, or ``None``.
+      averaging: ``"debiased"`` or ``"paper"``.
+      unbiased_sqr: average ``μ̂²`` unfloored, floor only the average.
+      delayed_gain: the gain of update ``t`` from the averages through ``t − 1``.
+      gain_exponent: ``p`` in the step ``r^p·lr`` (1 is AdaScale).
+    """
+
+    eps: Any = 1e-6
+    smoothing: Any = None
+    horizon: tuple[Any, Any] | None = None
+    averaging: str = DEBIASED
+    unbiased_sqr: bool = False
+    delayed_gain: bool = False
+    gain_exponent: float = 1.0
+
+    def smoothings(self, num_samples: int, last_gain: Array) -> tuple[Any, Any]:
+        """``θ`` of the σ² and μ² averages for an update of ``n`` samples: the one place ``θ`` is decided."""
+        if self.horizon is None:
+            theta = default_smoothing(num_samples) if self.smoothing is None else self.smoothing
+            return theta, theta
+        return horizon_smoothing(last_gain, self.horizon[0]), horizon_smoothing(last_gain, self.horizon[1])
+
+    def step_size(self, gain: Array, learning_rate: Array) -> Array:
+        """``r^p · lr`` (``p = 1``: AdaScale's ``r · lr``)."""
+        if self.gain_exponent == 1:
+            return gain * learning_rate
+        return gain ** jnp.float32(self.gain_exponent) * learning_rate
 
 
 def default_smoothing(num_samples: int) -> float:

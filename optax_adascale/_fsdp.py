@@ -15,8 +15,8 @@ it as the cotangent of a scalar probe (one per leaf, varying over the data axis)
         def loss_of(rows, probes):
             return loss_fn(optax_adascale.fsdp_gather(rows, probes, shapes, "data"), x, y)
         probes = optax_adascale.fsdp_probes(rows, "data")
-        grads, sq_norms = jax.grad(loss_of, argnums=(0, 1))(rows, probes)
-        updates, opt_state = tx.update(grads, opt_state, rows, fsdp_sq_norms=sq_norms)
+        grads, stats = jax.grad(loss_of, argnums=(0, 1))(rows, probes)
+        updates, opt_state = tx.update(grads, opt_state, rows, microbatch_stats=stats)
         return optax.apply_updates(rows, updates), opt_state
 
 Each parameter must be gathered **once** per forward pass: gathered twice, its
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_adascale import _collect, _zero
+from optax_adascale._microbatch import MicrobatchStats
 
 
 def fsdp_shard(params: Any, num_replicas: int) -> Any:
@@ -57,8 +58,14 @@ def fsdp_unshard(rows: Any, shapes: Any) -> Any:
     return jax.tree.map(lambda r, like: _zero.from_rows(r, like), rows, shapes)
 
 
-def fsdp_probes(rows: Any, axis_name: Any) -> Any:
-    """One float32 zero per leaf, varying over ``axis_name``: differentiate with respect to these too."""
+def fsdp_probes(rows: Any, axis_name: Any) -> MicrobatchStats:
+    """Probes for :func:`fsdp_gather`: differentiate the loss with respect to them too.
+
+    A :class:`MicrobatchStats` holding one float32 zero per leaf (varying over
+    ``axis_name``). Its gradient is the :class:`MicrobatchStats` of this
+    replica's squared gradient norms, to pass as ``update(...,
+    microbatch_stats=)``.
+    """
     names = _collect.axis_names(axis_name)
 
     def probe(_):
@@ -66,7 +73,7 @@ def fsdp_probes(rows: Any, axis_name: Any) -> Any:
         checked = tuple(n for n in names if _collect.vma_checked(n))
         return lax.pcast(zero, checked, to="varying") if checked else zero
 
-    return jax.tree.map(probe, rows)
+    return MicrobatchStats(jax.tree.map(probe, rows), 1, fsdp=True)
 
 
 def fsdp_gather(rows: Any, probes: Any, shapes: Any, axis_name: Any) -> Any:
@@ -76,7 +83,7 @@ def fsdp_gather(rows: Any, probes: Any, shapes: Any, axis_name: Any) -> Any:
     Backward: for each leaf the whole local cotangent ``g`` (this replica's
     gradient) gives the probe's cotangent ``‖g‖²`` (float32), and the rows'
     cotangent is ``lax.psum_scatter`` of ``g``: the sum over replicas of this
-    row. Pass both to ``tx.update(grads, opt_state, rows, fsdp_sq_norms=...)``.
+    row. Pass both to ``tx.update(grads, opt_state, rows, microbatch_stats=...)``.
 
     Args:
       rows: this replica's rows (``(1, m)`` per leaf under shard_map with ``P(axis)``).
@@ -87,6 +94,8 @@ def fsdp_gather(rows: Any, probes: Any, shapes: Any, axis_name: Any) -> Any:
     Returns:
       The whole parameters.
     """
+    if isinstance(probes, MicrobatchStats):
+        probes = probes.sq_norms
     treedef = jax.tree.structure(rows)
     flat_shapes = [tuple(s.shape) for s in treedef.flatten_up_to(shapes)]
     gathered = [

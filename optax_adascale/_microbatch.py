@@ -17,15 +17,23 @@ from optax_adascale._collect import STAT_DTYPE, compute_dtype, leaf_sq_norm, mat
 class MicrobatchStats:
     """Second moment of a replica's micro-batch gradients, for ``update(..., microbatch_stats=)``.
 
+    The one way statistics computed outside the optimizer enter ``update``:
+    ``tx.update(grads, opt_state, params, microbatch_stats=stats)``. Made by
+    :func:`value_and_grad` (micro-batches within a replica, or a jit over the
+    global batch) and by differentiating :func:`fsdp_probes` (FSDP).
+
     Attributes:
       sq_norms: pytree shaped like the gradients; each leaf is the float32 mean
-        over micro-batches of that leaf's squared norm, ``mean_j ‖g_j‖²``.
-      num_microbatches: ``k``, static. The replica's gradient is the mean of
-        ``k`` samples, so an update sees ``n = k × replicas × accumulation_steps``.
+        over the samples of that leaf's squared norm, ``mean_j ‖g_j‖²``.
+      num_microbatches: ``k``, static: the samples behind ``grads``. An update
+        sees ``n = k × replicas × accumulation_steps``.
+      fsdp: static; ``True`` for the gradients of :func:`fsdp_probes`: the
+        gradients passed with them are already reduce-scattered ZeRO rows.
     """
 
     sq_norms: Any
-    num_microbatches: int = dataclasses.field(metadata=dict(static=True))
+    num_microbatches: int = dataclasses.field(default=1, metadata=dict(static=True))
+    fsdp: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def value_and_microbatch_grad(

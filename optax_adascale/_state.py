@@ -146,8 +146,10 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     ``floored_steps`` (applied updates whose variance estimate was zero up to
     rounding: if it grows with ``count``, the replicas see identical
     gradients — typically gradients averaged *before* ``update``),
-    ``noise_scale`` (``σ̄²/μ̄²``, the critical batch size in base batches, see
-    :func:`noise_scale`); with
+    ``noise_scale`` (``B_noise = σ̄²/μ̄²``, McCandlish et al. 2018: the critical
+    batch size in base batches — well below it a larger batch buys an almost
+    proportional speed-up, well above it little; ``+inf`` for pure noise, 0
+    before the first update); with
     ``param_labels``, ``group_gains`` (label → gain). Before the first update:
     gain 1, τ 0, the rest 0.
 
@@ -170,28 +172,15 @@ def metrics(opt_state: Any) -> dict[str, Any]:
         "scale": _value(s.scale),
         "skipped_steps": _value(s.skipped_steps),
         "floored_steps": _value(s.floored_steps),
-        "noise_scale": noise_scale(s),
+        "noise_scale": _noise_scale(s),
     }
     if isinstance(s.group_gains, Mapping) and s.group_gains:
         out["group_gains"] = {k: _value(v) for k, v in s.group_gains.items()}
     return out
 
 
-def noise_scale(opt_state: Any) -> jax.Array:
-    """The gradient noise scale ``B_noise = σ̄²/μ̄²``, in base batches (McCandlish et al., 2018).
-
-    The batch size (in base batches) at which the gradient's noise equals its
-    signal: the *critical batch size*. Well below ``B_noise`` a larger batch
-    buys an almost proportional speed-up (gain ≈ S); well above it, little
-    (gain ≈ ``1 + B_noise``). It grows over training as ``μ̄²`` shrinks.
-    ``+inf`` where ``μ̄² = 0 < σ̄²`` (pure noise), 0 before the first update.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax_adascale
-      >>> optax_adascale.noise_scale(optax_adascale.adascale_sgd(0.1).init(jnp.zeros(2)))
-      Array(0., dtype=float32)
-    """
-    s = get_adascale_state(opt_state)
+def _noise_scale(s: AdaScaleState) -> jax.Array:
+    """``σ̄²/μ̄²`` in base batches; ``+inf`` where ``μ̄² = 0 < σ̄²``, 0 before the first update."""
     var = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
     sqr = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
     var, sqr = jnp.asarray(var, jnp.float32), jnp.maximum(jnp.asarray(sqr, jnp.float32), 0.0)

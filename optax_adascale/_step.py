@@ -2,9 +2,11 @@
 
 Everything here runs after the reduction, on values identical on every replica
 (or, with ``shard_optimizer_state``, on each replica's row of them), so every
-replica takes the same branch of the skip.
+replica takes the same branch of the skip. :class:`AllReduce` is the replicated
+reduction strategy; ``_zero.ZeroRows`` is the sharded one. The factory picks one.
 """
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -17,14 +19,22 @@ from optax_adascale import _estimator as est
 Array = jax.Array
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Update:
+    """What one update does once the statistics are reduced: ``inner``, the schedule, the estimator."""
+
+    inner: optax.GradientTransformationExtraArgs
+    learning_rate: Any
+    estimator: est.Estimator
+
+
 class Shape(NamedTuple):
-    """Static facts of one update: groups, model axes, ``n`` samples, scale ``S``, smoothing ``θ``."""
+    """Static facts of one update: groups, the call's axes, ``n`` samples, scale ``S``."""
 
     groups: _groups.Groups
-    model: _collect.ModelAxes
+    axes: _collect.Axes
     n: int
     S: Any
-    theta: Any
 
 
 class _Statistics(NamedTuple):
@@ -41,25 +51,25 @@ class _Statistics(NamedTuple):
     ok: Array  # bool: every statistic the step depends on is finite
 
 
-def _statistics(cfg, shape: Shape, a: Array, b: Array, state) -> _Statistics:
+def _statistics(estimator: est.Estimator, shape: Shape, a: Array, b: Array, state) -> _Statistics:
     """σ̂², μ̂² of this step, the moving averages, and the gain (of this step, or of the last with ``delayed_gain``)."""
     groups, n, S = shape.groups, shape.n, shape.S
     old_var, old_sqr = groups.unpack(state.grad_var), groups.unpack(state.grad_sqr)
     count = optax.safe_increment(state.count)
     if n == 1:  # S = n = 1: the identity; no variance to estimate.
         ones = jnp.ones((groups.size,), jnp.float32)
-        ok = jnp.all(jnp.isfinite(a if cfg.delayed_gain else b))
+        ok = jnp.all(jnp.isfinite(a if estimator.delayed_gain else b))
         return _Statistics(count, state.ema_weight, state.sqr_weight, old_var, old_sqr, jnp.ones([], jnp.float32),
                            ones, jnp.bool_(False), ok)
-    var_t, sqr_t = est.step_moments(a, b, n, S, cfg.eps, floor_sqr=not cfg.unbiased_sqr)
-    theta_var, theta_sqr = _smoothing(cfg, shape, state)
-    alpha_var, weight = est.ema_rate(count, state.ema_weight, theta_var, cfg.averaging)
-    alpha_sqr, sqr_weight = est.ema_rate(count, state.sqr_weight, theta_sqr, cfg.averaging)
+    var_t, sqr_t = est.step_moments(a, b, n, S, estimator.eps, floor_sqr=not estimator.unbiased_sqr)
+    theta_var, theta_sqr = estimator.smoothings(n, state.gain)
+    alpha_var, weight = est.ema_rate(count, state.ema_weight, theta_var, estimator.averaging)
+    alpha_sqr, sqr_weight = est.ema_rate(count, state.sqr_weight, theta_sqr, estimator.averaging)
     grad_var = est.ema_update(old_var, var_t, alpha_var)
     grad_sqr = est.ema_update(old_sqr, sqr_t, alpha_sqr)
     floored = jnp.sum(a - b) <= 1e-5 * jnp.sum(a)
     stats_finite = jnp.all(jnp.isfinite(jnp.stack([a, b, var_t, sqr_t])))
-    if cfg.delayed_gain:
+    if estimator.delayed_gain:
         # The gain of the averages through the last update; this sample enters them
         # afterwards. The skip reads `a` alone (finite a ⇒ finite ḡ), so nothing
         # needs ‖ḡ‖² before the update is written.
@@ -77,21 +87,12 @@ def _statistics(cfg, shape: Shape, a: Array, b: Array, state) -> _Statistics:
     return _Statistics(count, weight, sqr_weight, grad_var, grad_sqr, gain, group_gains, floored, ok)
 
 
-def _smoothing(cfg, shape: Shape, state) -> tuple[Any, Any]:
-    """``θ`` of the σ² and μ² averages: ``smoothing`` (or FairScale's default), or from ``horizon`` in τ."""
-    if cfg.horizon is None:
-        return shape.theta, shape.theta
-    h_var, h_sqr = cfg.horizon if isinstance(cfg.horizon, tuple) else (cfg.horizon, cfg.horizon)
-    return est.horizon_smoothing(state.gain, h_var), est.horizon_smoothing(state.gain, h_sqr)
-
-
-def _learning_rates(cfg, stats: _Statistics, tau_whole: Array) -> tuple[Array, Array, Array, Array]:
+def _learning_rates(update: Update, stats: _Statistics, tau_whole: Array) -> tuple[Array, Array, Array, Array]:
     """``lr(⌊τ⌋)``, the step ``r·lr``, each group's step, and whether they are usable (finite, ``lr ≥ 0``)."""
-    lr = cfg.learning_rate(tau_whole) if callable(cfg.learning_rate) else cfg.learning_rate
-    lr = jnp.asarray(lr, jnp.float32)
-    power = lambda r: r if cfg.gain_exponent == 1 else r ** jnp.float32(cfg.gain_exponent)  # noqa: E731
-    step_size = power(stats.gain) * lr
-    group_steps = power(stats.group_gains) * lr
+    schedule = update.learning_rate
+    lr = jnp.asarray(schedule(tau_whole) if callable(schedule) else schedule, jnp.float32)
+    step_size = update.estimator.step_size(stats.gain, lr)
+    group_steps = update.estimator.step_size(stats.group_gains, lr)
     ok = jnp.isfinite(step_size) & jnp.all(jnp.isfinite(group_steps)) & (lr >= 0)
     return lr, step_size, group_steps, ok
 
@@ -142,7 +143,7 @@ def _scale_updates(leaves: list[Array], steps: Array, leaf_group: tuple[int, ...
     return [scale(u, g) for u, g in zip(leaves, leaf_group, strict=True)]
 
 
-def apply(cfg, inner, shape, mean_grads, a, b, state, params, extra_args):
+def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_args):
     """One AdaScale update from reduced (replica-identical) statistics ``ḡ``, ``a``, ``b``.
 
     The accumulation buffers are the caller's business: they are set aside so
@@ -152,11 +153,11 @@ def apply(cfg, inner, shape, mean_grads, a, b, state, params, extra_args):
     state = state._replace(acc_grads=None, acc_sq_norm=None)
     groups = shape.groups
     with jax.named_scope("adascale/statistics"):
-        stats = _statistics(cfg, shape, a, b, state)
+        stats = _statistics(update.estimator, shape, a, b, state)
     with jax.named_scope("adascale/learning_rate"):
-        lr, step_size, group_steps, lr_ok = _learning_rates(cfg, stats, state.tau_whole)
+        lr, step_size, group_steps, lr_ok = _learning_rates(update, stats, state.tau_whole)
         ok = stats.ok & lr_ok
-    inner_updates, inner_state = _run_inner(inner, mean_grads, state.inner_state, params, extra_args)
+    inner_updates, inner_state = _run_inner(update.inner, mean_grads, state.inner_state, params, extra_args)
     with jax.named_scope("adascale/scale_updates"):
         kept_inner_state = optax.tree.where(ok, inner_state, state.inner_state)
         leaves = _prefer_state_leaves(inner_updates, inner_state, kept_inner_state)
@@ -195,3 +196,29 @@ def _next_state(shape: Shape, state, stats: _Statistics, lr, step_size, ok):
         inner_state=None,
     )
     return optax.tree.where(ok, stepped, skipped)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduce:
+    """The replicated update: one ``psum`` of (gradients, squared norms) over the data axes, then :func:`apply`.
+
+    Without data axes (``axis_name=None``) nothing is reduced: the gradients and
+    statistics are this call's own, or arrive already reduced (the GSPMD drop-in).
+    """
+
+    def init_inner(self, inner: optax.GradientTransformationExtraArgs, params: Any) -> Any:
+        return inner.init(params)
+
+    def check(self, axes: _collect.Axes, state: Any, params: Any, scattered: bool) -> None:
+        if scattered:
+            raise ValueError(
+                "microbatch_stats come from fsdp_probes (the gradients are already reduce-scattered rows), "
+                "which needs the ZeRO layout: adascale(..., shard_optimizer_state=n)."
+            )
+
+    def step(self, update: Update, shape: Shape, local_grads, local_sq, state, params, extra_args, *,
+             weights=None, scattered: bool = False):
+        del scattered
+        with jax.named_scope("adascale/reduce"):
+            mean, a, b = _collect.reduce_statistics(local_grads, local_sq, shape.axes, shape.groups, weights)
+        return apply(update, shape, mean, a, b, state, params, extra_args)

@@ -20,6 +20,7 @@ all-reduce; the update and the read of ``ḡ`` that the gain needs shrink to
 checked at ``init`` by running ``inner`` on a two-row stand-in.
 """
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -29,7 +30,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_adascale import _collect
+from optax_adascale import _collect, _step
 
 Array = jax.Array
 
@@ -186,56 +187,86 @@ def _sq_norm_fn(axis_name: Any):
     return sq_norm
 
 
-def step(cfg, inner, shape, local_grads, local_sq, state, params, extra_args, apply, *, prereduced=False):
-    """One ZeRO update: reduce-scatter, statistics in one scalar psum, ``apply`` on the row, all-gather.
+@dataclasses.dataclass(frozen=True)
+class ZeroRows:
+    """The sharded update (``shard_optimizer_state=n``): reduce-scatter, statistics in one scalar psum,
+    :func:`_step.apply` on this replica's row, all-gather.
 
-    With ``prereduced`` (FSDP, :func:`optax_adascale.fsdp_gather`) ``local_grads`` and
-    ``params`` are already this replica's rows, the gradients summed over the
-    replicas by the gather's backward pass: no reduce-scatter, no all-gather.
+    With FSDP statistics (``scattered``: :func:`optax_adascale.fsdp_gather`'s probes) the
+    gradients and ``params`` are already this replica's rows, the gradients summed over
+    the replicas by the gather's backward pass: no reduce-scatter, no all-gather.
     """
-    axis = cfg.axis_name
-    n = _collect.axis_size(axis)
-    if n != cfg.shard_optimizer_state:
-        raise ValueError(
-            f"shard_optimizer_state={cfg.shard_optimizer_state} but the data axes {axis!r} have {n} replicas "
-            "here; pass shard_optimizer_state equal to the data-parallel size."
-        )
-    if not isinstance(state.inner_state, ShardedInnerState):
-        raise ValueError("opt_state was not made by a transformation with shard_optimizer_state set")
-    groups, model = shape.groups, shape.model
-    low = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16  # noqa: E731
-    lead = _local_lead(state.inner_state.rows)
 
-    with jax.named_scope("adascale/reduce_scatter"):
-        if prereduced:
-            mean = jax.tree.map(lambda g: jnp.ravel(g) / n, local_grads)
-        else:
-            flat = jax.tree.map(lambda g: jnp.ravel(to_rows(g / n if low(g) else g, n)), local_grads)
-            sums = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
-            mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
-        b_local = groups.sums(model.mask([_collect.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
-        a, b = lax.psum((local_sq / n, b_local), axis)
-        if model.axes:
+    num_replicas: int
+
+    def init_inner(self, inner: optax.GradientTransformationExtraArgs, params: Any) -> ShardedInnerState:
+        return init_inner(inner, params, self.num_replicas)
+
+    def check(self, axes: _collect.Axes, state: Any, params: Any, scattered: bool) -> None:
+        if axes.replicas != self.num_replicas:
+            raise ValueError(
+                f"shard_optimizer_state={self.num_replicas} but the data axes {axes.name!r} have {axes.replicas} "
+                "replicas here; pass shard_optimizer_state equal to the data-parallel size."
+            )
+        if not isinstance(state.inner_state, ShardedInnerState):
+            raise ValueError("opt_state was not made by a transformation with shard_optimizer_state set")
+        if scattered:
+            if params is None:
+                raise ValueError("FSDP statistics (fsdp_probes) need the parameter rows: "
+                                 "tx.update(grads, opt_state, rows, microbatch_stats=stats)")
+            return
+        # FSDP rows (fsdp_shard, placed with P(axis)) are (1, m) slices varying over the data axes;
+        # replicated parameters, pcast or not, keep their own shapes.
+        leaves = [] if params is None else jax.tree.leaves(params)
+        rows = bool(leaves) and all(jnp.ndim(p) == 2 and jnp.shape(p)[0] == 1 for p in leaves)
+        split = [name for name in axes.data if rows and _collect.vma_checked(name)
+                 and all(name in _collect.varying_axes(p) for p in leaves)]
+        if split:
+            raise ValueError(
+                f"the parameters vary over the data axes {split}: they are FSDP rows (fsdp_shard), so the "
+                "gradients reaching update are already reduce-scattered and the per-replica squared norms are "
+                "lost. Differentiate with respect to optax_adascale.fsdp_probes(rows, axis) too and pass "
+                "the probes' gradients: tx.update(grads, opt_state, rows, microbatch_stats=probe_grads)."
+            )
+
+    def step(self, update: _step.Update, shape: _step.Shape, local_grads, local_sq, state, params, extra_args, *,
+             weights=None, scattered: bool = False):
+        del weights  # refused with shard_optimizer_state by the factory
+        axis, n = shape.axes.data, shape.axes.replicas
+        groups, model = shape.groups, shape.axes.model
+        low = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16  # noqa: E731
+        lead = _local_lead(state.inner_state.rows)
+
+        with jax.named_scope("adascale/reduce_scatter"):
+            if scattered:
+                mean = jax.tree.map(lambda g: jnp.ravel(g) / n, local_grads)
+            else:
+                flat = jax.tree.map(lambda g: jnp.ravel(to_rows(g / n if low(g) else g, n)), local_grads)
+                sums = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
+                mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
+            b_local = groups.sums(model.mask([_collect.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
+            a, b = lax.psum((local_sq / n, b_local), axis)
             a, b = model.psum((a, b))
-    param_rows = None
-    if params is not None and prereduced:
-        param_rows = jax.tree.map(jnp.ravel, params)
-    elif params is not None:
-        index = lax.axis_index(axis)
-        param_rows = jax.tree.map(lambda p: lax.dynamic_index_in_dim(to_rows(p, n), index, keepdims=False), params)
-    shard_state = state._replace(inner_state=jax.tree.map(
-        lambda x: jnp.reshape(x, x.shape[len(lead):]) if jnp.ndim(x) else x, state.inner_state.rows))
-    extra = dict(extra_args, adascale_sq_norm=_sq_norm_fn(axis))
-    row_updates, new_state = apply(cfg, inner, shape, mean, a, b, shard_state, param_rows, extra)
-    new_rows = jax.tree.map(lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
-                            new_state.inner_state, state.inner_state.rows)
-    new_state = new_state._replace(inner_state=ShardedInnerState(new_rows))
-    if prereduced:
-        return jax.tree.map(lambda u, g: jnp.reshape(u, g.shape), row_updates, local_grads), new_state
-    with jax.named_scope("adascale/all_gather"):
-        gathered = _all_gather(row_updates, axis)
-        updates = jax.tree.map(lambda u, g: from_rows(u, g).astype(u.dtype), gathered, local_grads)
-    return updates, new_state
+        param_rows = None
+        if params is not None and scattered:
+            param_rows = jax.tree.map(jnp.ravel, params)
+        elif params is not None:
+            index = lax.axis_index(axis)
+            param_rows = jax.tree.map(lambda p: lax.dynamic_index_in_dim(to_rows(p, n), index, keepdims=False),
+                                      params)
+        shard_state = state._replace(inner_state=jax.tree.map(
+            lambda x: jnp.reshape(x, x.shape[len(lead):]) if jnp.ndim(x) else x, state.inner_state.rows))
+        extra = dict(extra_args, adascale_sq_norm=_sq_norm_fn(axis))
+        row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra)
+        new_rows = jax.tree.map(lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
+                                new_state.inner_state, state.inner_state.rows)
+        new_state = new_state._replace(inner_state=ShardedInnerState(new_rows))
+        if scattered:
+            return jax.tree.map(lambda u, g: jnp.reshape(u, g.shape), row_updates, local_grads), new_state
+        with jax.named_scope("adascale/all_gather"):
+            gathered = _all_gather(row_updates, axis)
+            updates = jax.tree.map(lambda u, g: from_rows(u, g).astype(u.dtype), gathered, local_grads)
+        return updates, new_state
 
 
 def _local_lead(rows: Any) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -74,7 +75,7 @@ def test_paper_averaging_through_the_transformation():
     theta, n, S = 0.6, 2, 2.0
     rng = np.random.default_rng(0)
     samples = rng.normal(size=(5, n, 3)).astype(np.float32) + 0.5
-    tx = optax_adascale.adascale_sgd(0.1, axis_name="i", smoothing=theta, averaging="paper")
+    tx = optax_adascale.experimental.adascale(optax.identity(), 0.1, axis_name="i", smoothing=theta, averaging="paper")
     update = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i"))
     params, state = jnp.zeros(3), tx.init(jnp.zeros(3))
     var_avg = sqr_avg = None

@@ -57,7 +57,7 @@ BAD_INPUTS = {
     "learning_rate=-0.1": (lambda: optax_adascale.adascale_sgd(-0.1), ValueError, r"learning_rate=-0\.1"),
     "learning_rate=nan": (lambda: optax_adascale.adascale_sgd(float("nan")), ValueError, r"learning_rate=nan"),
     "learning_rate=inf": (lambda: optax_adascale.adascale_sgd(float("inf")), ValueError, r"learning_rate=inf"),
-    "averaging=typo": (lambda: optax_adascale.adascale_sgd(0.1, averaging="ema"), ValueError, r"averaging='ema'"),
+    "averaging=typo": (lambda: optax_adascale.experimental.adascale(optax.identity(), 0.1, averaging="ema"), ValueError, r"averaging='ema'"),
     "nesterov without momentum": (lambda: optax_adascale.adascale_sgd(0.1, nesterov=True), ValueError,
                                   r"momentum=None"),
     "n=1 with S>1": (lambda: _update(optax_adascale.adascale_sgd(0.1, scale=4.0)), ValueError,
@@ -76,7 +76,7 @@ BAD_INPUTS = {
         lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=2).update(
             PARAMS, optax_adascale.adascale_sgd(0.1, accumulation_steps=2).init(PARAMS), PARAMS,
             microbatch_stats={"w": 1.0}),
-        TypeError, r"microbatch_stats must be the MicrobatchStats"),
+        TypeError, r"microbatch_stats must be a MicrobatchStats"),
     "num_microbatches=0": (lambda: optax_adascale.value_and_microbatch_grad(jnp.sum, 0), ValueError,
                            r"num_microbatches=0"),
 }

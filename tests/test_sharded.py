@@ -60,7 +60,7 @@ def batches(samples: int):
 
 
 def make_tx(**kw):
-    return optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, axis_name="data", **kw)
+    return optax_adascale.adascale(optax.trace(0.9), SCHEDULE, axis_name="data", **kw)
 
 
 def log_of(state):

@@ -311,7 +311,7 @@ def test_inject_hyperparams_and_a_state_transfer_onto_four_replicas():
 # --------------------------------------------------------------------------- FSDP (ZeRO-3) under shard_map
 
 
-def fsdp_run(dtype=jnp.float32):
+def fsdp_run(dtype=jnp.float32, probes_to_update=True):
     """Parameters in ZeRO rows, gathered for the forward pass; the probes carry the local squared norms."""
     tx = make_tx(True)
     params = jax.tree.map(lambda p: p.astype(dtype), init_params())
@@ -326,8 +326,11 @@ def fsdp_run(dtype=jnp.float32):
             return loss_fn(optax_adascale.fsdp_gather(rows, probes, shapes, "data"), x[0], y[0])
 
         probes = optax_adascale.fsdp_probes(rows, "data")
-        grads, sq_norms = jax.grad(loss_of, argnums=(0, 1))(rows, probes)
-        updates, state = tx.update(grads, state, rows, fsdp_sq_norms=sq_norms)
+        grads, stats = jax.grad(loss_of, argnums=(0, 1))(rows, probes)
+        if probes_to_update:
+            updates, state = tx.update(grads, state, rows, microbatch_stats=stats)
+        else:  # the mistake: the probes' statistics forgotten
+            updates, state = tx.update(grads, state, rows)
         return optax.apply_updates(rows, updates), state
 
     step = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(row_specs, specs, P("data"), P("data")),
@@ -353,9 +356,16 @@ def test_fsdp_moves_one_all_gather_and_one_reduce_scatter_of_the_params_and_no_g
     assert _hlo.collective_bytes(text, min_elements=2)["small_all_reduces"] == counts["all-reduce"] == 1
 
 
-def test_fsdp_sq_norms_without_sharded_state_is_an_error():
+def test_fsdp_statistics_without_sharded_state_are_an_error():
     tx = optax_adascale.adascale_sgd(0.1, axis_name="data")
     params = init_params()
-    with pytest.raises(ValueError, match="fsdp_sq_norms= needs shard_optimizer_state"):
-        jax.vmap(lambda g: tx.update(g, tx.init(params), params, fsdp_sq_norms=jax.tree.map(jnp.sum, g)),
+    stats = lambda g: optax_adascale.MicrobatchStats(jax.tree.map(jnp.sum, g), 1, fsdp=True)  # noqa: E731
+    with pytest.raises(ValueError, match="needs the ZeRO layout: adascale\\(..., shard_optimizer_state=n\\)"):
+        jax.vmap(lambda g: tx.update(g, tx.init(params), params, microbatch_stats=stats(g)),
                  axis_name="data")(jax.tree.map(lambda p: jnp.ones((N,) + p.shape), params))
+
+
+def test_fsdp_rows_updated_without_the_probes_statistics_are_an_error():
+    # Issue 16, bug 3: trained silently with gain 8.0 instead of 2.7.
+    with pytest.raises(ValueError, match="the parameters vary over the data axes .*fsdp_probes"):
+        fsdp_run(probes_to_update=False)
