@@ -9,6 +9,7 @@ from optax_adascale._adam import adam_preconditioner
 from optax_adascale._adascale import AdaScaleState, adascale
 from optax_adascale._alias import adascale_adamw, adascale_sgd
 from optax_adascale._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
+from optax_adascale._gspmd import value_and_grad
 from optax_adascale._microbatch import MicrobatchStats, value_and_microbatch_grad
 from optax_adascale._state import (
     done,
@@ -49,5 +50,8 @@ __all__ = (
     "state_axes",
     "state_partition_specs",
     "transfer_state",
-    "value_and_microbatch_grad",
+    "value_and_grad",
 )
+
+# Deprecated (warns; not in __all__): optax_adascale.value_and_grad(loss_fn, num_microbatches=k).
+
