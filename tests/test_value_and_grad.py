@@ -291,3 +291,47 @@ def test_old_with_mesh_form_is_named():
 def test_mesh_keyword_without_context():
     _, _, stats = call_global(None, mesh=auto_mesh())
     assert stats.num_microbatches == 4
+
+
+# --------------------------------------------------------------------------- optimizer state: shardings, Orbax
+
+
+def test_state_shardings_follow_the_params_and_survive_an_orbax_round_trip(tmp_path):
+    """jax.jit(tx.init, out_shardings=state_shardings) shards momentum like its parameter (TP×FSDP);
+    Orbax saves that state and restores it onto the same shardings; the resumed run equals the unbroken one."""
+    from test_checkpoint import assert_trees_equal, restore, save
+
+    mesh, specs = auto_mesh(), LAYOUTS["TPxFSDP"]
+    tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9)
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+    p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    params = jax.device_put(init_params(), p_sh)
+    s_sh = state_shardings(tx, params, mesh, specs)
+    opt_state = jax.jit(tx.init, out_shardings=s_sh)(params)
+    momentum = optax.tree.get(opt_state, "trace")
+    assert momentum["w1"].sharding.is_equivalent_to(p_sh["w1"], 2)
+    assert not momentum["w1"].sharding.is_fully_replicated
+
+    @functools.partial(jax.jit, out_shardings=(p_sh, s_sh), donate_argnums=(0, 1))
+    def step(params, opt_state, x, y):
+        _, grads, stats = grad_fn(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+        return optax.apply_updates(params, updates), opt_state
+
+    batch_sh = NamedSharding(mesh, P("data"))
+    xs, ys = (jax.device_put(b[:4], batch_sh) for b in batches())
+    with jax.set_mesh(mesh):
+        for t in range(2):
+            params, opt_state = step(params, opt_state, xs[t], ys[t])
+        save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                              {"params": params, "opt_state": opt_state})
+        restored = restore(tmp_path / "ckpt", target)
+        assert_trees_equal(restored, {"params": params, "opt_state": opt_state})
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        resumed = (restored["params"], restored["opt_state"])
+        for t in range(2, 4):
+            params, opt_state = step(params, opt_state, xs[t], ys[t])
+            resumed = step(*resumed, xs[t], ys[t])
+    assert_trees_equal(resumed, (params, opt_state))
