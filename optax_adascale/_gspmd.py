@@ -142,10 +142,20 @@ def value_and_grad(
         rows = _batch_rows(batch, shards, k)
         per = rows // n
         split = jax.tree.map(lambda x: x.reshape((shards, k, per) + x.shape[1:]), batch)
-        if k == 1:
-            value, aux, grads, sq = _probed(loss_fn, has_aux, spmd, params, split, n)
-        else:
-            value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n)
+        try:
+            if k == 1:
+                value, aux, grads, sq = _probed(loss_fn, has_aux, spmd, params, split, n)
+            else:
+                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n)
+        except ValueError as err:
+            if "spmd_axis_name" not in str(err):
+                raise
+            raise ValueError(
+                f"loss_fn constrains an array's sharding over the data axes {names}: value_and_grad(data_axes=...) "
+                "evaluates loss_fn on one data shard's rows at a time, so a with_sharding_constraint (or "
+                "out_sharding) naming a data axis cannot be honoured. Drop the data axes from the loss's "
+                "constraints (keep the model axes, e.g. P(None, 'model')); the batch stays sharded over them."
+            ) from err
         stats = MicrobatchStats(sq, n)
         if has_aux:
             return (value, _combine_aux(aux, shards, k, per)), grads, stats
@@ -291,6 +301,14 @@ def _resolve_mesh(mesh, names):
         raise ValueError(
             f"data_axes={names if len(names) > 1 else names[0]!r}: {missing} not in the mesh, whose axes are "
             f"{tuple(mesh.axis_names)}; name the axes the batch is sharded over."
+        )
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    explicit = [a for a in mesh.axis_names if "Explicit" in str(kinds[a])]
+    if explicit:
+        raise ValueError(
+            f"value_and_grad(data_axes=...) supports meshes with Auto axes only (JAX {jax.__version__}); the mesh "
+            f"axes {explicit} are Explicit (jax.make_mesh's default). Build the mesh with "
+            f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)})."
         )
     return mesh
 

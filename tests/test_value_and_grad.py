@@ -335,3 +335,21 @@ def test_state_shardings_follow_the_params_and_survive_an_orbax_round_trip(tmp_p
             params, opt_state = step(params, opt_state, xs[t], ys[t])
             resumed = step(*resumed, xs[t], ys[t])
     assert_trees_equal(resumed, (params, opt_state))
+
+
+def test_loss_constraining_the_batch_axis_raises_our_error():
+    def constrained(params, x, y):
+        h = jax.lax.with_sharding_constraint(jnp.tanh(x @ params["w1"] + params["b1"]), P("data", "model"))
+        return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
+
+    x, y = (b[0] for b in batches())
+    for k in (1, 2):
+        fn = jax.jit(optax_adascale.value_and_grad(constrained, data_axes="data", num_microbatches=k))
+        with jax.set_mesh(auto_mesh()), pytest.raises(ValueError, match=r"constrains.*data axes.*P\(None, 'model'\)"):
+            fn(init_params(), x, y)
+
+
+def test_explicit_mesh_raises_naming_auto_axes():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    with pytest.raises(ValueError, match=r"Explicit.*AxisType\.Auto"):
+        call_global(jax.set_mesh(mesh))
