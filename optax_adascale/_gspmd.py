@@ -86,6 +86,19 @@ def value_and_grad(
       axes (FSDP) or both: the partitioner keeps their shardings; statistics are
       computed in float32 for bfloat16 parameters.
 
+    **Your own micro-batch loop** (MaxText's scan, Levanter's ``microbatched``):
+    the simplest is ``num_microbatches=k``, which reduces once per step. To keep
+    the loop, call this function per micro-batch and sum ``grads`` and
+    ``stats.sq_norms``; then pass ``grads / k`` and
+    ``MicrobatchStats(sq_sum / k, num_microbatches=shards * k)``. Each
+    micro-batch's gradient is then reduced inside the loop (``k`` reductions
+    instead of 1): ``‖g_j‖²`` needs it. With ``jax.value_and_grad`` in the loop,
+    the samples are the ``k`` global micro-batches:
+    ``MicrobatchStats(mean_j ‖g_j‖², num_microbatches=k)``. Weighted losses
+    (token counts): make each sample's loss its weighted *sum* times ``n / W``
+    (``W`` the batch's total weight), so that the samples' mean is the global
+    weighted gradient. Details and measurements: ``docs/gspmd.md``.
+
     **Per replica** (``data_axes=None``): inside ``shard_map``, ``pmap`` or
     ``vmap`` the batch is already the replica's; the ``k`` micro-batches are the
     samples (``n = k``) and the tx has ``axis_name`` set. Under ``shard_map``

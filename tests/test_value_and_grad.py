@@ -353,3 +353,65 @@ def test_explicit_mesh_raises_naming_auto_axes():
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     with pytest.raises(ValueError, match=r"Explicit.*AxisType\.Auto"):
         call_global(jax.set_mesh(mesh))
+
+
+# --------------------------------------------------------------------------- your own loop (docs/gspmd.md)
+
+
+def test_own_loop_recipe_equals_num_microbatches():
+    """The docs' loop (drop-in per micro-batch, stats summed) is num_microbatches=k when micro-batch j
+    gives each shard the rows that num_microbatches=k's j-th micro-batch of that shard holds."""
+    mesh, k, shards = auto_mesh(), 2, 4
+    x, y = (b[0] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], x, y)
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+
+    @jax.jit
+    def own_loop(params, x, y):
+        micro = jax.tree.map(lambda a: a.reshape((shards, k, -1) + a.shape[1:]).swapaxes(0, 1)
+                             .reshape((k, -1) + a.shape[1:]), (x, y))
+
+        def body(carry, mb):
+            grad_sum, sq_sum = carry
+            loss, grads, stats = grad_fn(params, *mb)
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+            return (add(grad_sum, grads), add(sq_sum, stats.sq_norms)), loss
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda _: jnp.zeros(()), params))
+        (grad_sum, sq_sum), losses = jax.lax.scan(body, zeros, micro)
+        stats = optax_adascale.MicrobatchStats(jax.tree.map(lambda s: s / k, sq_sum), shards * k)
+        return losses.mean(), jax.tree.map(lambda g: g / k, grad_sum), stats
+
+    with jax.set_mesh(mesh):
+        ours = own_loop(params, xs, ys)
+        ref = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=k))(params, xs, ys)
+    assert ours[2].num_microbatches == ref[2].num_microbatches == 8
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, ref)
+
+
+def test_weighted_loss_recipe_gives_the_global_token_weighted_gradient():
+    """Loss = weighted sum × n / W (W the batch's total weight): grads = the global weighted mean's gradient."""
+    mesh, n = auto_mesh(), 4
+    x, y = (b[0] for b in batches())
+    w = np.asarray(jax.random.uniform(jax.random.key(5), (ROWS,)) * (np.arange(ROWS) < 100), np.float32)
+
+    def losses(p, x, y):
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"], y)
+
+    def global_loss(p, x, y, w):
+        return jnp.sum(losses(p, x, y) * w) / jnp.sum(w)
+
+    @jax.jit
+    def step(params, x, y, w):
+        total = jnp.sum(w)
+        fn = optax_adascale.value_and_grad(lambda p, x, y, w: jnp.sum(losses(p, x, y) * w) * (n / total),
+                                           data_axes="data")
+        return fn(params, x, y, w)
+
+    params, (xs, ys, ws) = place(mesh, LAYOUTS["replicated"], x, y, w)
+    with jax.set_mesh(mesh):
+        value, grads, _ = step(params, xs, ys, ws)
+    ref_value, ref_grads = jax.value_and_grad(global_loss)(init_params(), x, y, w)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)

@@ -14,6 +14,7 @@ memory (``compiled.memory_analysis()``: arguments + outputs + temporaries). No t
 
     python -m benchmarks.gspmd.run                 # 256 → 1024 → 256, 8192 rows; prints the table
     python -m benchmarks.gspmd.run --smoke         # 16 → 32 → 16, 64 rows
+    python -m benchmarks.gspmd.run --loops         # also: hand-written micro-batch loops (docs/gspmd.md)
     python -m benchmarks.gspmd.run --json out.json
 """
 
@@ -44,7 +45,8 @@ def mlp(d: int, h: int):
     import jax.numpy as jnp
 
     k1, k2 = jax.random.split(jax.random.key(0))
-    params = {"w1": jax.random.normal(k1, (d, h)) / d**0.5, "b1": jnp.zeros(h), "w2": jax.random.normal(k2, (h, d)) / h**0.5}
+    params = {"w1": jax.random.normal(k1, (d, h)) / d**0.5, "b1": jnp.zeros(h),
+              "w2": jax.random.normal(k2, (h, d)) / h**0.5}
 
     def loss(p, x, y):
         hidden = jnp.tanh(x @ p["w1"] + p["b1"])
@@ -133,8 +135,8 @@ def replica_groups(line: str, num_devices: int) -> list[set[int]]:
         if m.group(4):
             ids = ids.transpose([int(v) for v in m.group(4).split(",")])
         return [set(row) for row in ids.reshape(int(m.group(1)), int(m.group(2))).tolist()]
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}",
-                  line)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]"
+                  r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", line)
     if m:
         axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
         ids = np.arange(num_devices)
@@ -189,6 +191,63 @@ def data_reductions(text: str, data_of: dict[int, int], *, in_loops: bool, min_e
     return total
 
 
+def compile_own_loop(recipe: str, layout: str, *, d: int, h: int, rows: int, k: int):
+    """A user's own micro-batch loop (``lax.scan`` summing gradients, MaxText-style) feeding AdaScale.
+
+    ``naive``: ``jax.value_and_grad`` of each global micro-batch, ``‖g_j‖²`` of the (reduced) result.
+    ``drop_in``: ``optax_adascale.value_and_grad(data_axes="data")`` per micro-batch, its stats summed.
+    ``sgd``: the same loop without statistics, into ``optax.sgd(momentum=0.9)`` (the user's own step).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import optax_adascale
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    params, loss = mlp(d, h)
+    p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(layout))
+    x = jax.ShapeDtypeStruct((rows, d), np.float32, sharding=NamedSharding(mesh, P("data")))
+    tx = optax.sgd(0.1, momentum=0.9) if recipe == "sgd" else optax_adascale.adascale_sgd(0.1, momentum=0.9)
+    state = jax.eval_shape(tx.init, params)
+    s_sh = _state_shardings(state, params, p_sh, mesh)
+    drop_in = optax_adascale.value_and_grad(loss, data_axes="data")
+
+    def step(p, s, x, y):
+        # Strided micro-batches (MaxText): micro-batch j holds rows j, j + k, …, so each stays spread over the shards.
+        micro = jax.tree.map(lambda a: a.reshape((-1, k) + a.shape[1:]).swapaxes(0, 1), (x, y))
+
+        def body(carry, mb):
+            grad_sum, sq_sum = carry
+            if recipe in ("naive", "sgd"):
+                value, grads = jax.value_and_grad(loss)(p, *mb)
+                sq = jax.tree.map(lambda g: jnp.sum(jnp.square(g)) * (recipe == "naive"), grads)
+            else:
+                value, grads, stats = drop_in(p, *mb)
+                sq = stats.sq_norms
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+            return (add(grad_sum, grads), add(sq_sum, sq)), value
+
+        zeros = (jax.tree.map(jnp.zeros_like, p), jax.tree.map(lambda _: jnp.zeros(()), p))
+        (grad_sum, sq_sum), values = lax.scan(body, zeros, micro)
+        n = k if recipe == "naive" else 4 * k
+        stats = optax_adascale.MicrobatchStats(jax.tree.map(lambda a: a / k, sq_sum), n)
+        extra = {} if recipe == "sgd" else {"microbatch_stats": stats}
+        updates, s = tx.update(jax.tree.map(lambda g: g / k, grad_sum), s, p, **extra)
+        return optax.apply_updates(p, updates), s, values.mean()
+
+    shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params, p_sh)
+    state_shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, s_sh)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(step, out_shardings=(p_sh, s_sh, NamedSharding(mesh, P()))).lower(
+            shapes, state_shapes, x, x).compile()
+    return compiled, {dev.id: i for i, row in enumerate(mesh.devices) for dev in row}
+
+
 def measure(*, d: int, h: int, rows: int, ks=(1, 2), layouts=LAYOUTS) -> list[dict]:
     results = []
     for k in ks:
@@ -198,6 +257,30 @@ def measure(*, d: int, h: int, rows: int, ks=(1, 2), layouts=LAYOUTS) -> list[di
             results.append({"layout": layout, "k": k, "shape": f"{d}→{h}→{d}, {rows} rows", "drop_in": o, "sgd": b,
                             "memory_ratio": o["memory"] / b["memory"]})
     return results
+
+
+def measure_loops(*, d: int, h: int, rows: int, k: int = 2, layouts=LAYOUTS) -> list[dict]:
+    """A hand-written micro-batch loop (three recipes) against the drop-in's ``num_microbatches=k``."""
+    results = []
+    for layout in layouts:
+        row = {"layout": layout, "k": k}
+        for recipe in ("sgd", "naive", "drop_in"):
+            compiled, data_of = compile_own_loop(recipe, layout, d=d, h=h, rows=rows, k=k)
+            row[recipe] = facts(compiled, data_of)
+        ours, _, data_of = compile_steps(layout, d=d, h=h, rows=rows, k=k)
+        row["num_microbatches"] = facts(ours, data_of)
+        results.append(row)
+    return results
+
+
+def loop_table(results: list[dict]) -> str:
+    names = {"sgd": "own loop + SGD", "naive": "own loop, ‖g_j‖² of global micro-batches",
+             "drop_in": "own loop, drop-in per micro-batch", "num_microbatches": "drop-in, num_microbatches=k"}
+    lines = ["| layout | " + " | ".join(names.values()) + " |", "|---" * (len(names) + 1) + "|"]
+    for r in results:
+        cells = [f"{r[key]['data_reductions_in_loop']} in loop, {r[key]['memory'] / 2**20:.2f} MiB" for key in names]
+        lines.append(f"| {r['layout']} (k = {r['k']}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(results: list[dict]) -> str:
@@ -210,7 +293,8 @@ def table(results: list[dict]) -> str:
         o, b = r["drop_in"], r["sgd"]
         lines.append(
             f"| {r['layout']} | {r['k']} | {o['gradient_bytes']:,} / {b['gradient_bytes']:,} "
-            f"| {o['scalar_all_reduces'] - b['scalar_all_reduces']} | {o['data_reductions']} / {o['data_reductions_in_loop']} "
+            f"| {o['scalar_all_reduces'] - b['scalar_all_reduces']} "
+            f"| {o['data_reductions']} / {o['data_reductions_in_loop']} "
             f"| {o['memory'] / 2**20:.2f} / {b['memory'] / 2**20:.2f} | {r['memory_ratio']:.3f} |"
         )
     return "\n".join(lines)
@@ -222,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="256,1024,8192", help="d,h,rows (default 256,1024,8192)")
     parser.add_argument("--ks", default="1,2", help="micro-batches per shard to measure")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--loops", action="store_true", help="also compare hand-written micro-batch loops")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -233,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(d=d, h=h, rows=rows, ks=ks, layouts=tuple(args.layouts.split(",")))
     print(f"jax {jax.__version__}, (data 4 × model 2) Auto mesh, MLP {d}→{h}→{d}, {rows} rows")
     print(table(results))
+    if args.loops:
+        loops = measure_loops(d=d, h=h, rows=rows, layouts=tuple(args.layouts.split(",")))
+        print("\nGradient reductions over the data axis inside the micro-batch loop, and memory per device:")
+        print(loop_table(loops))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
