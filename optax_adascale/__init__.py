@@ -8,7 +8,9 @@ from optax_adascale import experimental, goodput, scaling_rules
 from optax_adascale._adascale import AdaScaleState, adascale
 from optax_adascale._alias import adascale_adamw, adascale_sgd
 from optax_adascale._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
-from optax_adascale._microbatch import MicrobatchStats, value_and_microbatch_grad
+from optax_adascale._gspmd import value_and_grad
+from optax_adascale._microbatch import MicrobatchStats
+from optax_adascale._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
 from optax_adascale._state import (
     done,
     get_adascale_state,
@@ -46,4 +48,8 @@ __all__ = (
     "state_axes",
     "state_partition_specs",
     "transfer_state",
+    "value_and_grad",
 )
+
+# Deprecated (warns; not in __all__): optax_adascale.value_and_grad(loss_fn, num_microbatches=k).
+

@@ -1,6 +1,7 @@
 """Accumulation within one step: a replica's mean gradient and mean micro-batch squared norm via ``lax.scan``."""
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,24 @@ class MicrobatchStats:
 
 
 def value_and_microbatch_grad(
+    loss_fn: Callable[..., Any], num_microbatches: int, *, has_aux: bool = False, unroll: int | bool = 1
+) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
+    """Deprecated: use ``optax_adascale.value_and_grad(loss_fn, num_microbatches=k)`` (``data_axes=None``).
+
+    Same function as before (per replica, ``k`` contiguous micro-batches,
+    ``unroll`` passed to ``lax.scan``); warns ``DeprecationWarning``.
+    """
+    warnings.warn(
+        "optax_adascale.value_and_microbatch_grad is deprecated: use "
+        "optax_adascale.value_and_grad(loss_fn, num_microbatches=k, has_aux=...) (data_axes=None is this "
+        "per-replica helper; data_axes=... is the global-batch drop-in under jax.jit).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return per_replica(loss_fn, num_microbatches, has_aux=has_aux, unroll=unroll)
+
+
+def per_replica(
     loss_fn: Callable[..., Any], num_microbatches: int, *, has_aux: bool = False, unroll: int | bool = 1
 ) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
     """Like ``jax.value_and_grad``, over ``k`` micro-batches with ``lax.scan``.
@@ -82,7 +101,7 @@ def value_and_microbatch_grad(
       >>> import jax, jax.numpy as jnp
       >>> import optax_adascale
       >>> loss = lambda w, x: jnp.sum(w * x)
-      >>> fn = optax_adascale.value_and_microbatch_grad(loss, num_microbatches=2)
+      >>> fn = optax_adascale.value_and_grad(loss, num_microbatches=2)
       >>> value, grads, stats = fn(jnp.ones(2), jnp.array([[1.0, 0.0], [0.0, 1.0]]))
       >>> grads, stats.sq_norms, stats.num_microbatches
       (Array([0.5, 0.5], dtype=float32), Array(1., dtype=float32), 2)

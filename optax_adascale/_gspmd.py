@@ -1,0 +1,378 @@
+"""The drop-in for ``jax.value_and_grad`` under ``jax.jit`` over the global batch (GSPMD).
+
+Big-model trainers (MaxText, Levanter, big_vision, Flax's lm1b) differentiate the
+*global* batch under one ``jax.jit`` with sharded inputs: no per-replica gradient
+ever exists, yet AdaScale needs the spread of per-shard gradients. The helper
+keeps everything in global semantics and lets the SPMD partitioner place it:
+
+- each batch leaf ``(B, ...)`` is viewed as ``(shards, k, B/(shards·k), ...)``
+  (a free reshape: the rows of a shard stay on its devices), and the loss is
+  ``jax.vmap``-ed over the shards with ``spmd_axis_name=data_axes`` (the vmapped
+  dimension is pinned to the data axes) and the parameters unbatched;
+- ``k = 1``: every parameter enters the loss through a ``custom_vjp`` *probe*.
+  Its backward pass sees the leaf's per-shard cotangent ``g_i`` (batched over
+  the shards), returns ``‖g_i‖²`` (float32) as the cotangent of a per-shard
+  scalar, and passes ``g_i`` on: vmap's sum over the unbatched parameter gives
+  the global gradient, leaf by leaf, as plain ``jax.grad`` would — the
+  per-shard gradients exist only transiently;
+- ``k > 1``: within each shard a ``lax.scan`` over its ``k`` micro-batches
+  accumulates the shard's gradient locally (``vmap`` of ``grad``: batched over
+  the shards) and each micro-batch's squared norm; the shards' sums are reduced
+  once, after the loop.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_adascale import _checks, _microbatch
+from optax_adascale._collect import STAT_DTYPE, compute_dtype, leaf_sq_norm
+from optax_adascale._microbatch import MicrobatchStats
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    *,
+    data_axes: str | tuple[str, ...] | None = None,
+    num_microbatches: int = 1,
+    has_aux: bool = False,
+    mesh: Any = None,
+) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
+    """Like ``jax.value_and_grad``, plus the statistics AdaScale needs: ``(value, grads, stats)``.
+
+    **Global batch** (``data_axes`` set): call the returned function inside a
+    ``jax.jit`` step over the global batch, with the mesh set by
+    ``jax.set_mesh(mesh)`` (or passed as ``mesh=``). ``data_axes`` names the mesh
+    axes the batch is sharded over. The gradient samples are each data shard's
+    gradient, and with ``num_microbatches=k`` each of ``k`` contiguous
+    micro-batches within a shard: ``n = shards × k`` samples, shard ``i`` holding
+    rows ``i·B/shards … (i+1)·B/shards − 1`` (the rows a ``P(data_axes)`` sharding
+    puts on it). Nothing in the user's code changes but the call::
+
+        tx = optax_adascale.adascale_sgd(schedule, momentum=0.9)        # no axis_name
+        grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+
+        @jax.jit
+        def step(params, opt_state, x, y):
+            loss, grads, stats = grad_fn(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+    - ``grads`` equals ``jax.value_and_grad(loss_fn)`` on the global batch for a
+      loss that is an equal-weight mean over rows (float32 rounding): it is the
+      mean of the ``n`` samples' gradients, and ``value`` the mean of their losses.
+      A loss normalised by a count that differs between samples (tokens with a
+      padding mask, MaxText's weights) is the *mean of per-sample means*, not the
+      global weighted mean: return the weighted sum divided by a constant instead
+      (e.g. the padded token count), or see ``docs/gspmd.md`` for the recipe.
+    - ``stats`` is :class:`MicrobatchStats`: per leaf, the float32 mean over the
+      ``n`` samples of ``‖g_i‖²``, and ``num_microbatches=n``. Pass it to an
+      AdaScale ``tx`` built **without** ``axis_name``:
+      ``tx.update(grads, opt_state, params, microbatch_stats=stats)``. Without
+      ``microbatch_stats`` the tx sees one sample and is plain SGD at gain 1.
+    - ``aux`` (``has_aux=True``): leaves whose leading dimension is the rows of a
+      sample (per-example outputs) come back in the global batch's row order;
+      every other floating leaf is averaged over the ``n`` samples (equal to the
+      global call for batch means); other leaves are the first sample's.
+    - Random draws inside the loss are made per sample: a key closed over or
+      passed unbatched gives every shard the *same* draws (of its
+      ``B/n`` rows). Pass randomness per row in the batch (one key per example)
+      to match the global call.
+    - Parameters may be replicated, split over model axes (TP), over the data
+      axes (FSDP) or both: the partitioner keeps their shardings; statistics are
+      computed in float32 for bfloat16 parameters.
+
+    **Your own micro-batch loop** (MaxText's scan, Levanter's ``microbatched``):
+    the simplest is ``num_microbatches=k``, which reduces once per step. To keep
+    the loop, call this function per micro-batch and sum ``grads`` and
+    ``stats.sq_norms``; then pass ``grads / k`` and
+    ``MicrobatchStats(sq_sum / k, num_microbatches=shards * k)``. Each
+    micro-batch's gradient is then reduced inside the loop (``k`` reductions
+    instead of 1): ``‖g_j‖²`` needs it. With ``jax.value_and_grad`` in the loop,
+    the samples are the ``k`` global micro-batches:
+    ``MicrobatchStats(mean_j ‖g_j‖², num_microbatches=k)``. Weighted losses
+    (token counts): make each sample's loss its weighted *sum* times ``n / W``
+    (``W`` the batch's total weight), so that the samples' mean is the global
+    weighted gradient. Details and measurements: ``docs/gspmd.md``.
+
+    **Per replica** (``data_axes=None``): inside ``shard_map``, ``pmap`` or
+    ``vmap`` the batch is already the replica's; the ``k`` micro-batches are the
+    samples (``n = k``) and the tx has ``axis_name`` set. Under ``shard_map``
+    mark the parameters varying first: ``jax.lax.pcast(params, axis, to="varying")``.
+
+    Args:
+      loss_fn: ``loss_fn(params, *batch) -> loss`` (or ``(loss, aux)``); every
+        leaf of ``batch`` has the batch as its leading dimension.
+      data_axes: mesh axis name(s) the batch is sharded over, or ``None``.
+      num_microbatches: ``k ≥ 1`` micro-batches per shard (per replica).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      mesh: the mesh, if not set by ``jax.set_mesh``.
+
+    Returns:
+      ``fn(params, *batch) -> (value, grads, stats)``.
+
+    Raises:
+      ValueError: the batch is not divisible by shards × k; ``data_axes`` not in
+        the mesh; no mesh set; ``data_axes=None`` under a jit over a
+        multi-device mesh with no replica axis bound.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax_adascale
+      >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> loss = lambda w, x: jnp.mean(x @ w)
+      >>> fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=2, mesh=mesh))
+      >>> value, grads, stats = fn(jnp.ones(2), jnp.array([[1.0, 0.0], [0.0, 1.0]]))
+      >>> grads, stats.sq_norms, stats.num_microbatches
+      (Array([0.5, 0.5], dtype=float32), Array(1., dtype=float32), 2)
+    """
+    _checks.check_static_int("num_microbatches", num_microbatches)
+    _checks.check_bool("has_aux", has_aux)
+    if data_axes is None:
+        per_replica = _microbatch.per_replica(loss_fn, num_microbatches, has_aux=has_aux)
+
+        def replica_fn(params, *batch):
+            _check_replica_axis_bound(mesh, (params, batch))
+            value, grads, stats = per_replica(params, *batch)
+            if has_aux:  # aux stacked over the k micro-batches: combined as for the global batch
+                loss, aux = value
+                per = _batch_rows(batch, 1, num_microbatches) // num_microbatches
+                value = (loss, _combine_aux(jax.tree.map(lambda a: a[None], aux), 1, num_microbatches, per))
+            return value, grads, stats
+
+        return replica_fn
+    names = _data_axis_names(data_axes)
+    k = num_microbatches
+
+    def fn(params, *batch):
+        the_mesh = _resolve_mesh(mesh, names)
+        shards = math.prod(the_mesh.shape[a] for a in names)
+        spmd = names[0] if len(names) == 1 else names
+        n = shards * k
+        rows = _batch_rows(batch, shards, k)
+        per = rows // n
+        split = jax.tree.map(lambda x: x.reshape((shards, k, per) + x.shape[1:]), batch)
+        try:
+            if k == 1:
+                value, aux, grads, sq = _probed(loss_fn, has_aux, spmd, params, split, n)
+            else:
+                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n)
+        except ValueError as err:
+            if "spmd_axis_name" not in str(err):
+                raise
+            raise ValueError(
+                f"loss_fn constrains an array's sharding over the data axes {names}: value_and_grad(data_axes=...) "
+                "evaluates loss_fn on one data shard's rows at a time, so a with_sharding_constraint (or "
+                "out_sharding) naming a data axis cannot be honoured. Drop the data axes from the loss's "
+                "constraints (keep the model axes, e.g. P(None, 'model')); the batch stays sharded over them."
+            ) from err
+        stats = MicrobatchStats(sq, n)
+        if has_aux:
+            return (value, _combine_aux(aux, shards, k, per)), grads, stats
+        return value, grads, stats
+
+    return fn
+
+
+# --------------------------------------------------------------------------- k = 1: probes
+
+
+def _probed(loss_fn, has_aux, spmd, params, split, n):
+    """One sample per shard: grads through probes; the per-shard gradients are reduced leaf by leaf."""
+    leaves, treedef = jax.tree.flatten(params)
+    probes = [jnp.zeros((n,), STAT_DTYPE) for _ in leaves]
+
+    def shard_loss(leaves, batch):
+        out = loss_fn(treedef.unflatten(leaves), *jax.tree.map(lambda x: x[0], batch))
+        loss, aux = out if has_aux else (out, None)
+        return loss, (loss, aux)
+
+    def total(leaves, probes):
+        spread = [_spread(p, q) for p, q in zip(leaves, probes, strict=True)]
+        losses, (per_loss, aux) = jax.vmap(shard_loss, spmd_axis_name=spmd)(spread, split)
+        return jnp.sum(losses), (per_loss, aux)
+
+    (_, (losses, aux)), (grad_leaves, sq) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(leaves, probes)
+    grads = [g if _low(g) else g / n for g in grad_leaves]
+    sq_norms = [jnp.sum(s) / n for s in sq]
+    aux = None if aux is None else jax.tree.map(lambda a: a[:, None], aux)  # (shards, k=1, ...)
+    return jnp.mean(losses), aux, treedef.unflatten(grads), treedef.unflatten(sq_norms)
+
+
+def _low(x):
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16
+
+
+@jax.custom_vjp
+def _spread(param, probe):
+    """``param`` repeated once per shard (``(n, *shape)``); the backward pass records each shard's ``‖g_i‖²``."""
+    return jnp.broadcast_to(param, probe.shape + param.shape)
+
+
+def _spread_fwd(param, probe):
+    return _spread(param, probe), None
+
+
+def _spread_bwd(_, cotangent):
+    # cotangent: (n, *shape), row i = shard i's gradient. 16-bit gradients are divided by n before the sum
+    # (as reduce_statistics does); wider ones are divided after it, by the caller.
+    n = cotangent.shape[0]
+    sq = jax.vmap(leaf_sq_norm)(cotangent)
+    summed = jnp.sum((cotangent / n).astype(cotangent.dtype) if _low(cotangent) else cotangent, axis=0)
+    return summed.astype(cotangent.dtype), sq
+
+
+_spread.defvjp(_spread_fwd, _spread_bwd)
+
+
+# --------------------------------------------------------------------------- k > 1: scan within a shard
+
+
+def _scanned(loss_fn, has_aux, spmd, params, split, n):
+    """``k`` micro-batches per shard: local accumulation in a scan, one reduction after it."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def shard(micro):  # (k, m, ...) per leaf
+
+        def body(carry, mb):
+            grad_sum, sq_sum = carry
+            value, grads = grad_fn(params, *mb)
+            grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
+            sq_sum = jax.tree.map(lambda s, g: s + leaf_sq_norm(g), sq_sum, grads)
+            return (grad_sum, sq_sum), value
+
+        grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params)
+        sq0 = jax.tree.map(lambda p: jnp.zeros((), STAT_DTYPE), params)
+        (grad_sum, sq_sum), values = lax.scan(body, (grads0, sq0), micro)
+        return grad_sum, sq_sum, values
+
+    grad_sums, sq_sums, values = jax.vmap(shard, spmd_axis_name=spmd)(split)
+    grads = jax.tree.map(lambda s, p: (jnp.sum(s, axis=0) / n).astype(p.dtype), grad_sums, params)
+    sq_norms = jax.tree.map(lambda s: jnp.sum(s) / n, sq_sums)
+    if has_aux:
+        losses, aux = values
+    else:
+        losses, aux = values, None
+    return jnp.mean(losses), aux, grads, sq_norms
+
+
+# --------------------------------------------------------------------------- aux
+
+
+def _combine_aux(aux, shards, k, per):
+    """Per-example leaves back in global row order; every other leaf averaged over the samples."""
+
+    def combine(a):
+        a = jnp.asarray(a)
+        if a.ndim >= 3 and a.shape[2] == per:
+            return a.reshape((shards * k * per,) + a.shape[3:])
+        return jnp.mean(a, axis=(0, 1)) if jnp.issubdtype(a.dtype, jnp.inexact) else a[0, 0]
+
+    return jax.tree.map(combine, aux)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _data_axis_names(data_axes):
+    names = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    if not names or not all(isinstance(a, str) for a in names):
+        raise TypeError(f"data_axes must be a mesh axis name or a tuple of names, got data_axes={data_axes!r}")
+    return names
+
+
+def _legacy_mesh():
+    """The mesh of the old ``with mesh:`` form (invisible to ``get_abstract_mesh``), or ``None``."""
+    try:
+        from jax._src import mesh as mesh_lib
+
+        physical = mesh_lib.thread_resources.env.physical_mesh
+        return None if physical.empty else physical
+    except Exception:  # noqa: BLE001 - internals moved: nothing to report
+        return None
+
+
+def _resolve_mesh(mesh, names):
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            legacy = _legacy_mesh()
+            hint = (
+                " A `with mesh:` block is in effect: that old form is invisible here; use "
+                "`with jax.set_mesh(mesh):` instead." if legacy is not None else ""
+            )
+            raise ValueError(
+                f"value_and_grad(data_axes={names if len(names) > 1 else names[0]!r}) needs the mesh: call the step "
+                "under `with jax.set_mesh(mesh):` (or `jax.set_mesh(mesh)`), or pass "
+                f"optax_adascale.value_and_grad(..., mesh=mesh).{hint}"
+            )
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"data_axes={names if len(names) > 1 else names[0]!r}: {missing} not in the mesh, whose axes are "
+            f"{tuple(mesh.axis_names)}; name the axes the batch is sharded over."
+        )
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    explicit = [a for a in mesh.axis_names if "Explicit" in str(kinds[a])]
+    if explicit:
+        raise ValueError(
+            f"value_and_grad(data_axes=...) supports meshes with Auto axes only (JAX {jax.__version__}); the mesh "
+            f"axes {explicit} are Explicit (jax.make_mesh's default). Build the mesh with "
+            f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)})."
+        )
+    return mesh
+
+
+def _batch_rows(batch, shards, k):
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("value_and_grad(data_axes=...) needs a batch: call fn(params, *batch)")
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
+    if None in sizes or len(sizes) != 1:
+        raise ValueError(
+            "every leaf of the batch must have the batch as its leading dimension, got leading sizes "
+            f"{sorted(s for s in sizes if s is not None)}{' and a scalar' if None in sizes else ''}"
+        )
+    rows = sizes.pop()
+    if rows % (shards * k):
+        raise ValueError(
+            f"the batch has {rows} rows, not divisible by data shards × num_microbatches = {shards} × {k} = "
+            f"{shards * k}: each sample must have the same number of rows. Use a batch that is a multiple "
+            f"of {shards * k}."
+        )
+    return rows
+
+
+def _check_replica_axis_bound(mesh, tree):
+    """``data_axes=None`` under a jit over a multi-device mesh with no replica axis bound: the user forgot data_axes."""
+    try:
+        from jax._src import core
+
+        if core.get_axis_env().axis_sizes:
+            return  # inside vmap/pmap/shard_map with named axes: per replica, as documented
+    except (ImportError, AttributeError):  # internals moved: stay silent rather than misfire
+        return
+    context = jax.sharding.get_abstract_mesh()
+    if getattr(context, "manual_axes", ()):
+        return
+    sizes = [] if mesh is None else [mesh.size]
+    if not context.empty:
+        sizes.append(context.size)
+    legacy = _legacy_mesh()
+    if legacy is not None:
+        sizes.append(legacy.size)
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        leaf_mesh = getattr(sharding, "mesh", None)
+        if leaf_mesh is not None and not leaf_mesh.empty:
+            sizes.append(leaf_mesh.size)
+    if any(s > 1 for s in sizes):
+        raise ValueError(
+            "value_and_grad(data_axes=None) computes per-replica statistics, but no replica axis is bound "
+            f"here and the mesh has {max(sizes)} devices: under a jax.jit over the global batch the samples "
+            "would be only the micro-batches (n = num_microbatches). Pass data_axes= naming the mesh axes "
+            "the batch is sharded over (e.g. data_axes='data')."
+        )

@@ -1,0 +1,417 @@
+"""``optax_adascale.value_and_grad``: the drop-in for ``jax.value_and_grad`` over the global batch (GSPMD).
+
+The truth is the replicated run: data shard ``i`` of the global batch is replica ``i`` of a
+``jax.vmap(..., axis_name="data")`` per-replica AdaScale run (tx with ``axis_name``), unsharded.
+The drop-in runs one ``jax.jit`` step over the global batch on a (data 4, model 2) mesh with the
+parameters replicated, split over "model" (TP), over "data" (FSDP) or both; the tx has no axis_name.
+"""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_adascale
+
+D_IN, HIDDEN, CLASSES, ROWS, STEPS = 16, 32, 8, 128, 12
+SCHEDULE = optax.exponential_decay(0.5, transition_steps=6, decay_rate=0.5)
+
+LAYOUTS = {
+    "replicated": {"w1": P(), "b1": P(), "w2": P()},
+    "TP": {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)},
+    "FSDP": {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)},
+    "TPxFSDP": {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", "data")},
+}
+
+
+def init_params(dtype=jnp.float32):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {
+        "w1": jax.random.normal(k1, (D_IN, HIDDEN)) * 0.4,
+        "b1": jnp.zeros(HIDDEN),
+        "w2": jax.random.normal(k2, (HIDDEN, CLASSES)) * 0.4,
+    }
+    return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+def loss_fn(params, x, y):
+    h = jnp.tanh(x.astype(params["w1"].dtype) @ params["w1"] + params["b1"])
+    logits = (h @ params["w2"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+@functools.cache
+def batches(steps=STEPS, rows=ROWS):
+    kx, ky, kw = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (steps, rows, D_IN))
+    teacher = jax.random.normal(kw, (D_IN, CLASSES))
+    y = jnp.argmax(x @ teacher + 2.0 * jax.random.normal(ky, (steps, rows, CLASSES)), axis=-1)
+    return np.asarray(x), np.asarray(y)
+
+
+def auto_mesh(shape=(4, 2), names=("data", "model")):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def record(opt_state):
+    m = optax_adascale.metrics(opt_state)
+    return float(m["gain"]), float(m["scale_invariant_steps"])
+
+
+@functools.cache
+def replicated_run(replicas, k, dtype=jnp.float32):
+    """Per-replica AdaScale (axis_name="data"): replica i gets rows i·B/replicas … of each global batch."""
+    tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, axis_name="data")
+    grad_fn = optax_adascale.value_and_grad(loss_fn, num_microbatches=k)
+
+    def replica_step(params, opt_state, x, y):
+        _, grads, stats = grad_fn(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+        return optax.apply_updates(params, updates), opt_state
+
+    step = jax.jit(jax.vmap(replica_step, in_axes=(None, None, 0, 0), out_axes=(None, None), axis_name="data"))
+    params = init_params(dtype)
+    opt_state = tx.init(params)
+    log = []
+    for x, y in zip(*batches(), strict=True):
+        params, opt_state = step(params, opt_state, x.reshape(replicas, -1, D_IN), y.reshape(replicas, -1))
+        log.append(record(opt_state))
+    return params, np.array(log)
+
+
+def state_shardings(tx, params, mesh, specs, data_axes="data"):
+    """The documented way: state_partition_specs of jax.eval_shape(tx.init, params), as NamedShardings."""
+    state_specs = optax_adascale.state_partition_specs(jax.eval_shape(tx.init, params), data_axes, specs, tx=tx)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs)
+
+
+def global_run(mesh, specs, data_axes, k, dtype=jnp.float32):
+    """The user's step: one jit over the global batch, the drop-in, a tx without axis_name."""
+    tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9)
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes=data_axes, num_microbatches=k)
+    p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    params = jax.device_put(init_params(dtype), p_sh)
+    s_sh = state_shardings(tx, params, mesh, specs, data_axes)
+    opt_state = jax.jit(tx.init, out_shardings=s_sh)(params)
+    batch_sh = NamedSharding(mesh, P(data_axes))
+
+    @functools.partial(jax.jit, out_shardings=(p_sh, s_sh))
+    def step(params, opt_state, x, y):
+        _, grads, stats = grad_fn(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+        return optax.apply_updates(params, updates), opt_state
+
+    log = []
+    with jax.set_mesh(mesh):
+        for x, y in zip(*batches(), strict=True):
+            params, opt_state = step(params, opt_state, jax.device_put(x, batch_sh), jax.device_put(y, batch_sh))
+            log.append(record(opt_state))
+    for leaf, sh in zip(jax.tree.leaves(params), jax.tree.leaves(p_sh), strict=True):
+        assert leaf.sharding.is_equivalent_to(sh, leaf.ndim)
+    return params, np.array(log)
+
+
+def assert_same_run(ours, ref, rtol, params_tol=None):
+    (params, log), (ref_params, ref_log) = ours, ref
+    assert np.all(ref_log[:, 0] > 1.2), "the reference must have gains well above 1 for the test to mean anything"
+    np.testing.assert_allclose(log, ref_log, rtol=rtol)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                rtol=params_tol or rtol, atol=params_tol or rtol),
+        params, ref_params,
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_global_batch_run_equals_replicated_run(layout, k):
+    """Data shard i = replica i: gain, τ and params over 12 updates, for every parameter layout."""
+    ours = global_run(auto_mesh(), LAYOUTS[layout], "data", k)
+    assert_same_run(ours, replicated_run(4, k), rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("layout", ["replicated", "TPxFSDP"])
+def test_bfloat16_params_run_equals_replicated_run(layout, k):
+    """bfloat16 parameters, statistics in float32: the same run as the replicated bfloat16 one."""
+    ours = global_run(auto_mesh(), LAYOUTS[layout], "data", k, jnp.bfloat16)
+    # The per-shard bfloat16 gradients themselves differ in rounding between a batched (vmap) and a
+    # sharded computation (XLA's reduction order): 2⁻⁸ relative is one bfloat16 rounding step. Gain and τ
+    # agree to that; bfloat16 parameters drift apart by a few such steps over 12 updates.
+    assert_same_run(ours, replicated_run(4, k, jnp.bfloat16), rtol=2**-8, params_tol=4 * 2**-8)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_data_axes_tuple_on_three_axis_mesh(k):
+    """data_axes=("data", "fsdp"): the batch over both, parameters FSDP over both and TP over "model"."""
+    mesh = auto_mesh((2, 2, 2), ("data", "fsdp", "model"))
+    specs = {"w1": P(("data", "fsdp"), "model"), "b1": P("model"), "w2": P("model", ("data", "fsdp"))}
+    ours = global_run(mesh, specs, ("data", "fsdp"), k)
+    assert_same_run(ours, replicated_run(4, k), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- what a call returns
+
+
+def place(mesh, specs, *batch):
+    params = jax.device_put(init_params(), jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    return params, [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batch]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("layout", ["replicated", "TPxFSDP"])
+def test_value_and_grads_equal_jax_value_and_grad_on_the_global_batch(layout, k):
+    mesh = auto_mesh()
+    x, y = (b[0] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS[layout], x, y)
+    fn = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=k))
+    with jax.set_mesh(mesh):
+        value, grads, stats = fn(params, xs, ys)
+    ref_value, ref_grads = jax.value_and_grad(loss_fn)(init_params(), x, y)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+    # The statistics: per leaf the mean over the n = 4k samples (contiguous row blocks) of ‖g_i‖².
+    n = 4 * k
+    samples = [jax.grad(loss_fn)(init_params(), x.reshape(n, -1, D_IN)[i], y.reshape(n, -1)[i])
+               for i in range(n)]
+    expected = jax.tree.map(lambda *g: np.mean([np.sum(np.square(a)) for a in g]), *samples)
+    assert stats.num_microbatches == n
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), stats.sq_norms, expected)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(stats.sq_norms))
+
+
+def test_has_aux_is_as_from_the_global_call():
+    """Per-example aux comes back in global row order; a batch mean is the global mean."""
+
+    def loss_with_aux(params, x, y):
+        h = jnp.tanh(x @ params["w1"] + params["b1"])
+        logits = h @ params["w2"]
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return losses.mean(), {"per_example": losses, "accuracy": jnp.mean(jnp.argmax(logits, -1) == y)}
+
+    mesh = auto_mesh()
+    x, y = (b[0] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], x, y)
+    (ref_loss, ref_aux), _ = jax.value_and_grad(loss_with_aux, has_aux=True)(init_params(), x, y)
+    for k in (1, 2):
+        fn = jax.jit(optax_adascale.value_and_grad(loss_with_aux, data_axes="data", num_microbatches=k, has_aux=True))
+        with jax.set_mesh(mesh):
+            (loss, aux), _, _ = fn(params, xs, ys)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+        np.testing.assert_allclose(aux["per_example"], ref_aux["per_example"], rtol=1e-5)
+        np.testing.assert_allclose(aux["accuracy"], ref_aux["accuracy"], rtol=1e-6)
+
+
+def test_random_draws_inside_the_loss_repeat_per_shard():
+    """What holds (documented): a key closed over gives every shard the same draws of its rows."""
+    key = jax.random.key(3)
+
+    def noisy_loss(w, x):
+        return jnp.mean(jax.random.normal(key, x.shape) * x * w)
+
+    mesh = auto_mesh()
+    x = jnp.ones((8, 2))
+    fn = jax.jit(optax_adascale.value_and_grad(noisy_loss, data_axes="data"))
+    with jax.set_mesh(mesh):
+        _, grads, stats = fn(jnp.float32(1.0), jax.device_put(x, NamedSharding(mesh, P("data"))))
+    per_shard = jax.grad(noisy_loss)(jnp.float32(1.0), x[:2])
+    np.testing.assert_allclose(grads, per_shard, rtol=1e-6)  # four identical samples
+    np.testing.assert_allclose(stats.sq_norms, per_shard**2, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- per replica (data_axes=None)
+
+
+def test_data_axes_none_is_the_per_replica_helper_and_the_old_name_warns():
+    x, y = (b[0][:32] for b in batches())
+    new = optax_adascale.value_and_grad(loss_fn, num_microbatches=4)(init_params(), x, y)
+    with pytest.warns(DeprecationWarning, match="value_and_grad"):
+        old_fn = optax_adascale.value_and_microbatch_grad(loss_fn, 4, unroll=2)
+    old = old_fn(init_params(), x, y)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new, old)
+    assert "value_and_microbatch_grad" not in optax_adascale.__all__
+    assert "value_and_grad" in optax_adascale.__all__
+
+
+def test_data_axes_none_under_a_jit_over_a_multi_device_mesh_raises():
+    mesh = auto_mesh()
+    x, y = (b[0] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["replicated"], x, y)
+    fn = jax.jit(optax_adascale.value_and_grad(loss_fn, num_microbatches=2))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"no replica axis is bound.*data_axes="):
+        fn(params, xs, ys)
+
+
+def test_data_axes_none_on_one_device_is_allowed():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x, y = (b[0][:32] for b in batches())
+        _, _, stats = jax.jit(optax_adascale.value_and_grad(loss_fn, num_microbatches=2))(init_params(), x, y)
+    assert stats.num_microbatches == 2
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def call_global(mesh_ctx, *, data_axes="data", k=1, rows=ROWS, mesh=None):
+    x, y = (b[0][:rows] for b in batches())
+    fn = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes=data_axes, num_microbatches=k, mesh=mesh))
+    if mesh_ctx is None:
+        return fn(init_params(), x, y)
+    with mesh_ctx:
+        return fn(init_params(), x, y)
+
+
+def test_batch_not_divisible_by_shards_times_k_names_both_numbers():
+    with pytest.raises(ValueError, match=r"100 rows.*4 × 2 = 8"):
+        call_global(jax.set_mesh(auto_mesh()), k=2, rows=100)
+
+
+def test_data_axes_not_in_mesh_lists_the_mesh_axes():
+    with pytest.raises(ValueError, match=r"\['batch'\] not in the mesh.*\('data', 'model'\)"):
+        call_global(jax.set_mesh(auto_mesh()), data_axes="batch")
+
+
+def test_no_mesh_names_set_mesh_and_mesh_keyword():
+    with pytest.raises(ValueError, match=r"jax\.set_mesh.*mesh=mesh"):
+        call_global(None)
+
+
+def test_old_with_mesh_form_is_named():
+    with pytest.raises(ValueError, match=r"`with mesh:` block.*invisible"):
+        call_global(auto_mesh())
+
+
+def test_mesh_keyword_without_context():
+    _, _, stats = call_global(None, mesh=auto_mesh())
+    assert stats.num_microbatches == 4
+
+
+# --------------------------------------------------------------------------- optimizer state: shardings, Orbax
+
+
+def test_state_shardings_follow_the_params_and_survive_an_orbax_round_trip(tmp_path):
+    """jax.jit(tx.init, out_shardings=state_shardings) shards momentum like its parameter (TP×FSDP);
+    Orbax saves that state and restores it onto the same shardings; the resumed run equals the unbroken one."""
+    from test_checkpoint import assert_trees_equal, restore, save
+
+    mesh, specs = auto_mesh(), LAYOUTS["TPxFSDP"]
+    tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9)
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+    p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    params = jax.device_put(init_params(), p_sh)
+    s_sh = state_shardings(tx, params, mesh, specs)
+    opt_state = jax.jit(tx.init, out_shardings=s_sh)(params)
+    momentum = optax.tree.get(opt_state, "trace")
+    assert momentum["w1"].sharding.is_equivalent_to(p_sh["w1"], 2)
+    assert not momentum["w1"].sharding.is_fully_replicated
+
+    @functools.partial(jax.jit, out_shardings=(p_sh, s_sh), donate_argnums=(0, 1))
+    def step(params, opt_state, x, y):
+        _, grads, stats = grad_fn(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+        return optax.apply_updates(params, updates), opt_state
+
+    batch_sh = NamedSharding(mesh, P("data"))
+    xs, ys = (jax.device_put(b[:4], batch_sh) for b in batches())
+    with jax.set_mesh(mesh):
+        for t in range(2):
+            params, opt_state = step(params, opt_state, xs[t], ys[t])
+        save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                              {"params": params, "opt_state": opt_state})
+        restored = restore(tmp_path / "ckpt", target)
+        assert_trees_equal(restored, {"params": params, "opt_state": opt_state})
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        resumed = (restored["params"], restored["opt_state"])
+        for t in range(2, 4):
+            params, opt_state = step(params, opt_state, xs[t], ys[t])
+            resumed = step(*resumed, xs[t], ys[t])
+    assert_trees_equal(resumed, (params, opt_state))
+
+
+def test_loss_constraining_the_batch_axis_raises_our_error():
+    def constrained(params, x, y):
+        h = jax.lax.with_sharding_constraint(jnp.tanh(x @ params["w1"] + params["b1"]), P("data", "model"))
+        return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
+
+    x, y = (b[0] for b in batches())
+    for k in (1, 2):
+        fn = jax.jit(optax_adascale.value_and_grad(constrained, data_axes="data", num_microbatches=k))
+        with jax.set_mesh(auto_mesh()), pytest.raises(ValueError, match=r"constrains.*data axes.*P\(None, 'model'\)"):
+            fn(init_params(), x, y)
+
+
+def test_explicit_mesh_raises_naming_auto_axes():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    with pytest.raises(ValueError, match=r"Explicit.*AxisType\.Auto"):
+        call_global(jax.set_mesh(mesh))
+
+
+# --------------------------------------------------------------------------- your own loop (docs/gspmd.md)
+
+
+def test_own_loop_recipe_equals_num_microbatches():
+    """The docs' loop (drop-in per micro-batch, stats summed) is num_microbatches=k when micro-batch j
+    gives each shard the rows that num_microbatches=k's j-th micro-batch of that shard holds."""
+    mesh, k, shards = auto_mesh(), 2, 4
+    x, y = (b[0] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], x, y)
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+
+    @jax.jit
+    def own_loop(params, x, y):
+        micro = jax.tree.map(lambda a: a.reshape((shards, k, -1) + a.shape[1:]).swapaxes(0, 1)
+                             .reshape((k, -1) + a.shape[1:]), (x, y))
+
+        def body(carry, mb):
+            grad_sum, sq_sum = carry
+            loss, grads, stats = grad_fn(params, *mb)
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+            return (add(grad_sum, grads), add(sq_sum, stats.sq_norms)), loss
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda _: jnp.zeros(()), params))
+        (grad_sum, sq_sum), losses = jax.lax.scan(body, zeros, micro)
+        stats = optax_adascale.MicrobatchStats(jax.tree.map(lambda s: s / k, sq_sum), shards * k)
+        return losses.mean(), jax.tree.map(lambda g: g / k, grad_sum), stats
+
+    with jax.set_mesh(mesh):
+        ours = own_loop(params, xs, ys)
+        ref = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=k))(params, xs, ys)
+    assert ours[2].num_microbatches == ref[2].num_microbatches == 8
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, ref)
+
+
+def test_weighted_loss_recipe_gives_the_global_token_weighted_gradient():
+    """Loss = weighted sum × n / W (W the batch's total weight): grads = the global weighted mean's gradient."""
+    mesh, n = auto_mesh(), 4
+    x, y = (b[0] for b in batches())
+    w = np.asarray(jax.random.uniform(jax.random.key(5), (ROWS,)) * (np.arange(ROWS) < 100), np.float32)
+
+    def losses(p, x, y):
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"], y)
+
+    def global_loss(p, x, y, w):
+        return jnp.sum(losses(p, x, y) * w) / jnp.sum(w)
+
+    @jax.jit
+    def step(params, x, y, w):
+        total = jnp.sum(w)
+        fn = optax_adascale.value_and_grad(lambda p, x, y, w: jnp.sum(losses(p, x, y) * w) * (n / total),
+                                           data_axes="data")
+        return fn(params, x, y, w)
+
+    params, (xs, ys, ws) = place(mesh, LAYOUTS["replicated"], x, y, w)
+    with jax.set_mesh(mesh):
+        value, grads, _ = step(params, xs, ys, ws)
+    ref_value, ref_grads = jax.value_and_grad(global_loss)(init_params(), x, y, w)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)

@@ -1,0 +1,55 @@
+"""The drop-in's cost from compiled HLO, against ``jax.value_and_grad`` + ``optax.sgd`` on the same shardings.
+
+Runs ``python -m benchmarks.gspmd.run`` (the script that writes docs/gspmd.md's table) and asserts
+its numbers: gradient-sized bytes moved by collectives no more than SGD's, at most 2 extra
+scalar-sized all-reduces, no gradient reduction over the data axis inside the micro-batch loop,
+and memory per device ≤ 1.05 × SGD's + 4 KiB where each shard's rows exceed the largest leaf
+dimension (256 → 1024 → 256, 8192 rows).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(tmp_path, *args):
+    out = tmp_path / "gspmd.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.gspmd.run", *args, "--json", str(out)], check=True,
+                   cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)), timeout=900,
+                   capture_output=True)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def full_shape(tmp_path_factory):
+    return run_benchmark(tmp_path_factory.mktemp("full"), "--shape", "256,1024,8192", "--ks", "1")
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    return run_benchmark(tmp_path_factory.mktemp("micro"), "--shape", "16,48,320", "--ks", "2")
+
+
+def test_memory_at_most_five_percent_over_sgd(full_shape):
+    assert {r["layout"] for r in full_shape} == {"replicated", "TP", "FSDP", "TP×FSDP"}
+    for r in full_shape:
+        assert r["drop_in"]["memory"] <= 1.05 * r["sgd"]["memory"] + 4096, r
+
+
+def test_gradient_sized_traffic_at_most_sgds_and_at_most_two_extra_scalar_all_reduces(full_shape):
+    for r in full_shape:
+        assert r["drop_in"]["gradient_bytes"] <= r["sgd"]["gradient_bytes"], r
+        assert r["drop_in"]["scalar_all_reduces"] - r["sgd"]["scalar_all_reduces"] <= 2, r
+
+
+def test_micro_batches_reduce_nothing_over_data_inside_the_loop(micro):
+    for r in micro:
+        assert r["k"] == 2
+        assert r["drop_in"]["data_reductions_in_loop"] == 0, r
+        assert r["drop_in"]["gradient_bytes"] <= r["sgd"]["gradient_bytes"], r
