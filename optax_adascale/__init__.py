@@ -10,6 +10,7 @@ from optax_adascale._adascale import AdaScaleState, adascale
 from optax_adascale._alias import adascale_adamw, adascale_sgd
 from optax_adascale._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
 from optax_adascale._microbatch import MicrobatchStats, value_and_microbatch_grad
+from optax_adascale._noise import NoiseScaleState, noise_scale_monitor
 from optax_adascale._state import (
     done,
     get_adascale_state,
@@ -28,6 +29,7 @@ __version__ = "0.2.0.dev0"
 __all__ = (
     "AdaScaleState",
     "MicrobatchStats",
+    "NoiseScaleState",
     "ShardedInnerState",
     "adam_preconditioner",
     "adascale",
@@ -43,6 +45,7 @@ __all__ = (
     "goodput",
     "metrics",
     "noise_scale",
+    "noise_scale_monitor",
     "replicate_buffers",
     "scaling_rules",
     "scale_invariant_steps",
