@@ -187,8 +187,21 @@ def _is_multisteps_state(x: Any) -> bool:
     return isinstance(x, optax.MultiStepsState)
 
 
+def _is_schedule_state(x: Any) -> bool:
+    return isinstance(x, optax.ScaleByScheduleState)
+
+
 def check_inner_state(inner_state: Any) -> None:
-    """Reject an ``inner`` that accumulates itself (``optax.MultiSteps``): τ would advance on calls that do not step."""
+    """Reject an ``inner`` that accumulates itself (``optax.MultiSteps``): τ would advance on calls that do not step;
+    or that runs a schedule on its own count (``optax.scale_by_schedule``): it would ignore τ."""
+    scheduled = jax.tree.leaves(inner_state, is_leaf=_is_schedule_state)
+    if any(_is_schedule_state(x) for x in scheduled):
+        raise ValueError(
+            "inner contains optax.scale_by_schedule (or scale_by_learning_rate with a schedule): it evaluates its "
+            "schedule on inner's own update count, while AdaScale's schedule must run on the scale-invariant "
+            "step τ (gain times faster). Remove it from inner and pass the schedule as AdaScale's "
+            "learning_rate: adascale(inner, learning_rate=schedule)."
+        )
     found = jax.tree.leaves(inner_state, is_leaf=_is_multisteps_state)
     if any(_is_multisteps_state(x) for x in found):
         raise ValueError(

@@ -69,8 +69,8 @@ def test_equals_adascale_statistics_on_the_same_stream():
     ada = optax_adascale.adascale(optax.identity(), 0.1, eps=1e-30)
     ms, as_ = mon.init(params), ada.init(params)
     for t in range(4):
-        samples = jax.tree.map(lambda p, k=jax.random.fold_in(key, t): jax.random.normal(k, (4,) + p.shape) + 1.0,
-                               params)
+        k = jax.random.fold_in(key, t)
+        samples = jax.tree.map(lambda p: jax.random.normal(k, (4,) + p.shape) + 1.0, params)  # noqa: B023
         grads = jax.tree.map(lambda x: x.mean(0), samples)
         stats = optax_adascale.MicrobatchStats(
             jax.tree.map(lambda x: jnp.mean(jax.vmap(leaf_sq_norm)(x)), samples), 4)
