@@ -151,3 +151,26 @@ def test_gradients_pmeaned_before_update_under_shard_map_raise():
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
     with pytest.raises(ValueError, match="not per-replica gradients"):
         f(tx.init(params), _local_grads())
+
+
+# --------------------------------------------------------------------------- clipping before update
+
+
+def test_clipping_before_update_inflates_the_variance():
+    # MaxText clips ḡ in train_step, before the optimizer; the samples' statistics stay unclipped.
+    samples = jax.random.normal(jax.random.key(4), (N, 16)) + 2.0
+    grads = samples.mean(0)
+    stats = optax_adascale.MicrobatchStats(jnp.mean(jnp.sum(samples**2, axis=1)), N)
+    clip = optax.clip_by_global_norm(1.0)
+    params = jnp.zeros(16)
+
+    inside = optax_adascale.adascale(optax.chain(clip, optax.identity()), 0.1)
+    _, s_inside = inside.update(grads, inside.init(params), params, microbatch_stats=stats)
+    before = optax_adascale.adascale(optax.identity(), 0.1)
+    clipped, _ = clip.update(grads, clip.init(params))
+    _, s_before = before.update(clipped, before.init(params), params, microbatch_stats=stats)
+
+    a, b = float(stats.sq_norms), float(jnp.sum(grads**2))
+    np.testing.assert_allclose(optax_adascale.metrics(s_inside)["grad_var"], N / (N - 1) * (a - b), rtol=1e-5)
+    assert float(optax_adascale.metrics(s_before)["grad_var"]) > 2 * float(optax_adascale.metrics(s_inside)["grad_var"])
+    assert float(optax_adascale.metrics(s_before)["gain"]) > float(optax_adascale.metrics(s_inside)["gain"])
