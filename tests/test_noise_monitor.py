@@ -94,8 +94,8 @@ def _data():
     return params, xs
 
 
-def _reduced_run(tx, params, xs, k):
-    fn = optax_adascale.value_and_microbatch_grad(_loss, k)
+def _reduced_run(tx, params, xs, k, loss=_loss):
+    fn = optax_adascale.value_and_microbatch_grad(loss, k)
     state = tx.init(params)
     for x in xs:
         _, grads, stats = fn(params, x)
@@ -308,3 +308,35 @@ def test_reader_finds_the_state_in_nested_and_restored_states():
     assert int(_noise.get_noise_state(restored).count) == 0
     with pytest.raises(ValueError, match="NoiseScaleState"):
         _noise.metrics(optax.adamw(1e-3).init(params))
+
+
+def test_tensor_parallel_replicas_equal_the_reduced_path():
+    # w split over a model axis: each device's squared norms are partial; the monitor sums them.
+    _, xs = _data()
+    params = {"w": jnp.full((4, 4), 0.1, jnp.float32), "b": jnp.full(4, 0.3, jnp.float32)}
+    ref = _reduced_run(optax_adascale.noise_scale_monitor(batch_size=32), params, xs, 8, _tp_loss)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    tx = optax_adascale.noise_scale_monitor(axis_name="data", batch_size=32)
+    fn = optax_adascale.value_and_microbatch_grad(_tp_loss, 2)
+    specs = {"w": P(None, "model"), "b": P()}
+
+    def step(state, params, x):
+        _, grads, stats = fn(jax.lax.pcast(params, "data", to="varying"), x)
+        return tx.update(jax.lax.pmean(grads, "data"), state, params, microbatch_stats=stats)[1]
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=P()))
+    state = tx.init(params)
+    for x in xs:
+        state = f(state, params, x)
+    for key, value in _noise.metrics(ref).items():
+        np.testing.assert_allclose(_noise.metrics(state)[key], value, rtol=1e-5, err_msg=key)
+
+
+def _tp_loss(params, x):
+    """A loss whose w columns may be split over "model" (inside shard_map) or whole (outside)."""
+    h = x @ params["w"]
+    try:
+        total = jax.lax.psum(jnp.sum((h - 1.0) ** 2, axis=-1), "model")
+    except NameError:  # outside shard_map: w is whole
+        total = jnp.sum((h - 1.0) ** 2, axis=-1)
+    return jnp.mean(total) + jnp.sum(params["b"] ** 2)
