@@ -340,3 +340,21 @@ def _tp_loss(params, x):
     except NameError:  # outside shard_map: w is whole
         total = jnp.sum((h - 1.0) ** 2, axis=-1)
     return jnp.mean(total) + jnp.sum(params["b"] ** 2)
+
+
+def test_under_gspmd_adds_no_gradient_sized_collective():
+    # axis_name=None, jit over FSDP-sharded gradients: ‖ḡ‖² is a partial sum per device plus a scalar all-reduce.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    shard = jax.sharding.NamedSharding(mesh, P("data"))
+    params = {"w": jax.device_put(jnp.zeros((64, 32)), shard), "b": jax.device_put(jnp.zeros(64), shard)}
+    stats = optax_adascale.MicrobatchStats({"w": jnp.float32(1.0), "b": jnp.float32(1.0)}, 8)
+    texts = {}
+    for name, tx in [("adamw", optax.adamw(1e-3)),
+                     ("monitor", optax.chain(optax_adascale.noise_scale_monitor(), optax.adamw(1e-3)))]:
+        def step(grads, state, stats, tx=tx):
+            return tx.update(grads, state, params, microbatch_stats=stats)
+
+        texts[name] = _hlo.compiled_text(jax.jit(step), params, jax.jit(tx.init)(params), stats)
+    base, mon = _hlo.collective_bytes(texts["adamw"]), _hlo.collective_bytes(texts["monitor"])
+    assert mon["large_bytes"] == base["large_bytes"] == 0
+    assert mon["small_all_reduces"] - base["small_all_reduces"] == 1
