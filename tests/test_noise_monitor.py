@@ -68,14 +68,16 @@ def test_equals_adascale_statistics_on_the_same_stream():
     mon = optax_adascale.noise_scale_monitor()
     ada = optax_adascale.adascale(optax.identity(), 0.1, eps=1e-30)
     ms, as_ = mon.init(params), ada.init(params)
+    mon_step = jax.jit(lambda g, s, st: mon.update(g, s, params, microbatch_stats=st)[1])
+    ada_step = jax.jit(lambda g, s, st: ada.update(g, s, params, microbatch_stats=st)[1])
     for t in range(4):
         k = jax.random.fold_in(key, t)
         samples = jax.tree.map(lambda p: jax.random.normal(k, (4,) + p.shape) + 1.0, params)  # noqa: B023
         grads = jax.tree.map(lambda x: x.mean(0), samples)
         stats = optax_adascale.MicrobatchStats(
             jax.tree.map(lambda x: jnp.mean(jax.vmap(leaf_sq_norm)(x)), samples), 4)
-        _, ms = mon.update(grads, ms, params, microbatch_stats=stats)
-        _, as_ = ada.update(grads, as_, params, microbatch_stats=stats)
+        ms = mon_step(grads, ms, stats)
+        as_ = ada_step(grads, as_, stats)
         mine, theirs = _noise.metrics(ms), optax_adascale.metrics(as_)
         for key_ in ("grad_var", "grad_sqr", "noise_scale"):
             np.testing.assert_allclose(mine[key_], theirs[key_], rtol=1e-6)
@@ -96,10 +98,15 @@ def _data():
 
 def _reduced_run(tx, params, xs, k, loss=_loss):
     fn = optax_adascale.value_and_microbatch_grad(loss, k)
+
+    @jax.jit
+    def step(state, x):
+        _, grads, stats = fn(params, x)
+        return tx.update(grads, state, params, microbatch_stats=stats)[1]
+
     state = tx.init(params)
     for x in xs:
-        _, grads, stats = fn(params, x)
-        _, state = tx.update(grads, state, params, microbatch_stats=stats)
+        state = step(state, x)
     return state
 
 
@@ -114,9 +121,10 @@ def test_vmap_replicas_equal_the_reduced_path():
         grads = jax.lax.pmean(grads, "data")
         return tx.update(grads, state, params, microbatch_stats=stats)[1]
 
+    vstep = jax.jit(jax.vmap(step, in_axes=(None, 0), out_axes=None, axis_name="data"))
     state = tx.init(params)
     for x in xs:
-        state = jax.vmap(step, in_axes=(None, 0), out_axes=None, axis_name="data")(state, x.reshape(4, 8, 4))
+        state = vstep(state, x.reshape(4, 8, 4))
     for key, value in _noise.metrics(ref).items():
         np.testing.assert_allclose(_noise.metrics(state)[key], value, rtol=1e-5, err_msg=key)
 
