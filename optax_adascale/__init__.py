@@ -11,6 +11,7 @@ from optax_adascale._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unsh
 from optax_adascale._gspmd import value_and_grad
 from optax_adascale._microbatch import MicrobatchStats
 from optax_adascale._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
+from optax_adascale._noise import NoiseScaleState, noise_scale_monitor
 from optax_adascale._state import (
     done,
     get_adascale_state,
@@ -28,6 +29,7 @@ __version__ = "0.2.0.dev0"
 __all__ = (
     "AdaScaleState",
     "MicrobatchStats",
+    "NoiseScaleState",
     "ShardedInnerState",
     "adascale",
     "adascale_adamw",
@@ -42,6 +44,7 @@ __all__ = (
     "get_adascale_state",
     "goodput",
     "metrics",
+    "noise_scale_monitor",
     "replicate_buffers",
     "scale_invariant_steps",
     "scaling_rules",

@@ -6,6 +6,7 @@ trace time of ``update`` (what the gradients are). Traced hyperparameters (under
 """
 
 import math
+import sys
 import warnings
 from typing import Any
 
@@ -82,12 +83,53 @@ def check_static_int(name: str, value: Any, *, low: int = 1, hint: str = "") -> 
 
 
 def check_learning_rate(learning_rate: Any) -> None:
-    """A constant learning rate must be finite and non-negative; a schedule is checked when it runs."""
+    """A constant learning rate must be finite and non-negative; a schedule is checked when it runs.
+
+    Also refuses a schedule that ``optax.inject_hyperparams`` has already evaluated on
+    its own iteration count (see :func:`_injected_schedule`).
+    """
     if callable(learning_rate):
         return
+    name = _injected_schedule(learning_rate)
+    if name is not None:
+        raise ValueError(
+            f"learning_rate={learning_rate!r} is the schedule passed to optax.inject_hyperparams as {name!r}, "
+            "evaluated on inject_hyperparams' iteration count: AdaScale evaluates its schedule on the "
+            "scale-invariant step τ, which runs gain times faster, so on the count the schedule would be "
+            "stretched by the gain. Hand the schedule to AdaScale itself: optax.inject_hyperparams(factory, "
+            f"static_args=({name!r}, 'accumulation_steps'))({name}=schedule, ...), or call the factory "
+            "without inject_hyperparams."
+        )
     if concrete_float(learning_rate) is None and not _is_traced(learning_rate) and not hasattr(learning_rate, "dtype"):
         raise TypeError(f"learning_rate must be a number or a schedule, got learning_rate={learning_rate!r}")
     check_number("learning_rate", learning_rate, low=0.0)
+
+
+def _injected_schedule(value: Any) -> str | None:
+    """The hyperparameter name if ``value`` is a schedule's value that ``optax.inject_hyperparams`` computed.
+
+    ``inject_hyperparams`` evaluates every callable hyperparameter on its own
+    ``count`` and calls the factory with the number. Its ``init_fn``/``update_fn``
+    hold the schedules (``sched_hps``) and the values passed (``hparams``): a
+    frame walk finds them. Reads optax internals behind a feature test: if they
+    move, nothing is recognised (and the docs' advice remains).
+    """
+    if not hasattr(value, "dtype"):
+        return None
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if "inject_hyperparams" in getattr(code, "co_qualname", "") or (
+            "optax" in code.co_filename and "inject" in code.co_filename
+        ):
+            local = frame.f_locals
+            schedules, values = local.get("sched_hps"), local.get("hparams")
+            if isinstance(schedules, dict) and isinstance(values, dict):
+                return next((k for k in schedules if values.get(k) is value), None)
+        frame = frame.f_back
+    return None
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -151,8 +193,21 @@ def _is_multisteps_state(x: Any) -> bool:
     return isinstance(x, optax.MultiStepsState)
 
 
+def _is_schedule_state(x: Any) -> bool:
+    return isinstance(x, optax.ScaleByScheduleState)
+
+
 def check_inner_state(inner_state: Any) -> None:
-    """Reject an ``inner`` that accumulates itself (``optax.MultiSteps``): τ would advance on calls that do not step."""
+    """Reject an ``inner`` that accumulates itself (``optax.MultiSteps``): τ would advance on calls that do not step;
+    or that runs a schedule on its own count (``optax.scale_by_schedule``): it would ignore τ."""
+    scheduled = jax.tree.leaves(inner_state, is_leaf=_is_schedule_state)
+    if any(_is_schedule_state(x) for x in scheduled):
+        raise ValueError(
+            "inner contains optax.scale_by_schedule (or scale_by_learning_rate with a schedule): it evaluates its "
+            "schedule on inner's own update count, while AdaScale's schedule must run on the scale-invariant "
+            "step τ (gain times faster). Remove it from inner and pass the schedule as AdaScale's "
+            "learning_rate: adascale(inner, learning_rate=schedule)."
+        )
     found = jax.tree.leaves(inner_state, is_leaf=_is_multisteps_state)
     if any(_is_multisteps_state(x) for x in found):
         raise ValueError(

@@ -1,0 +1,302 @@
+"""The gradient noise scale for any optimizer: a pass-through transformation and its reader.
+
+``noise_scale_monitor`` keeps AdaScale's moving averages ``σ̄²`` and ``μ̄²`` (the same
+estimator, :mod:`optax_adascale._estimator`) from the statistics that
+:func:`optax_adascale.value_and_grad` returns, and hands the gradients on unchanged
+to whatever optimizer follows it in an ``optax.chain``. :func:`metrics` reads
+``B_simple = σ̄²/μ̄²`` (McCandlish et al., 2018) off any optax state that holds it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from optax_adascale import _checks, _collect
+from optax_adascale import _estimator as est
+from optax_adascale._microbatch import MicrobatchStats
+
+Array = jax.Array
+
+
+class NoiseScaleState(NamedTuple):
+    """State of :func:`noise_scale_monitor`. Scalars, identical on every replica.
+
+    Attributes:
+      count: int32 ``[]``, updates whose statistics entered the averages (updates
+        with one sample, or non-finite statistics, do not count).
+      grad_sqr: float32 ``[]``, the moving average ``μ̄²`` of ``‖∇L‖²``.
+      grad_var: float32 ``[]``, the moving average ``σ̄²`` of the trace of one base
+        batch's gradient covariance. The base batch is one gradient sample (one
+        micro-batch on one data shard), as AdaScale's default ``S = n``.
+      ema_weight: float32 ``[]``, the debiasing weight ``w = Σ θ^j (1−θ)``.
+      examples_per_sample: float32 ``[]``, examples in one base batch
+        (``batch_size / n`` of the last update); NaN without ``batch_size``.
+      tokens_per_example: float32 ``[]``, as given; NaN without it.
+    """
+
+    count: Array
+    grad_sqr: Array
+    grad_var: Array
+    ema_weight: Array
+    examples_per_sample: Array
+    tokens_per_example: Array
+
+
+def noise_scale_monitor(
+    *,
+    axis_name: str | tuple[str, ...] | None = None,
+    batch_size: int | None = None,
+    tokens_per_example: float | None = None,
+    smoothing: float | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Log the gradient noise scale (critical batch size) of any optimizer; the gradients pass unchanged.
+
+    Each update averages ``n`` gradient samples ``g_i`` (data shards ×
+    micro-batches). From ``a = mean_i ‖g_i‖²`` (``microbatch_stats``) and
+    ``b = ‖ḡ‖²`` (the gradients given to ``update``) it estimates, per base
+    batch (one sample),
+
+    .. math::
+
+       σ̂² = \frac{n}{n-1}(a - b), \qquad μ̂² = b - σ̂²/n,
+
+    floors both at 0, and keeps FairScale's debiased moving averages, as
+    :func:`adascale` does (``θ = max(1 − n/1000, 0)`` by default). The noise scale
+    ``B_simple = σ̄²/μ̄²`` is the batch (in base batches) at which the gradient's
+    noise equals its signal; times the examples per sample it is McCandlish et
+    al.'s ``tr(Σ)/|G|²`` in examples. Read it with
+    ``optax_adascale.metrics(opt_state)`` (keys ``noise_scale``,
+    ``noise_scale_examples``, ``noise_scale_tokens``, ``grad_sqr``, ``grad_var``).
+
+    Where the statistics come from:
+
+    * ``axis_name=None``: ``grads`` and ``microbatch_stats`` are already reduced
+      over the data shards, as :func:`value_and_grad` returns them under
+      ``jax.jit`` over the global batch (``data_axes=...``).
+    * ``axis_name`` set (``pmap``, ``shard_map``, ``vmap``): ``grads`` is the
+      *averaged* gradient your optimizer gets (after your ``lax.pmean``) and
+      ``microbatch_stats`` is this replica's, from
+      ``value_and_grad(loss_fn)`` (``data_axes=None``) taken before the pmean.
+      The monitor adds one scalar-sized ``pmean``, nothing gradient-sized.
+
+    One sample per update (``n = 1``: one device, no micro-batches) has no
+    spread to measure: the monitor warns once at trace time, leaves its
+    averages untouched and the metrics read NaN. Split the batch:
+    ``value_and_grad(loss_fn, num_microbatches=2)``. Updates with non-finite
+    statistics (e.g. a loss-scaling overflow) are left out of the averages.
+
+    Args:
+      axis_name: the data-parallel axis (a name or a tuple), or ``None`` when
+        the statistics arrive reduced.
+      batch_size: examples averaged into one update: the global batch, over all
+        data shards and micro-batches. Gives ``noise_scale_examples``; must be
+        a multiple of ``n``.
+      tokens_per_example: tokens in one example (e.g. the sequence length), for
+        ``noise_scale_tokens``.
+      smoothing: ``θ ∈ [0, 1)`` of the moving averages; defaults to
+        ``max(1 − n/1000, 0)``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
+      params=None, *, microbatch_stats, **extra_args)`` returns ``grads``
+      unchanged. Chain it before your optimizer:
+      ``optax.chain(noise_scale_monitor(...), optax.adamw(1e-3))``; ``optax.chain``
+      forwards ``microbatch_stats=`` to it and optimizers without extra
+      arguments ignore it.
+
+    Examples:
+      Two samples per update, ``[2, 1]`` and ``[0, 1]``: ``ḡ = [1, 1]``,
+      ``a = (5 + 1)/2 = 3`` and ``b = 2``, so ``σ̂² = 2·(a − b) = 2``,
+      ``μ̂² = b − σ̂²/2 = 1`` and the noise scale is 2 samples (32 examples of 16):
+
+      >>> import jax.numpy as jnp, optax, optax_adascale
+      >>> from optax_adascale import _noise
+      >>> tx = optax.chain(optax_adascale.noise_scale_monitor(batch_size=32), optax.adamw(1e-3))
+      >>> params = jnp.zeros(2)
+      >>> state = tx.init(params)
+      >>> stats = optax_adascale.MicrobatchStats(jnp.float32(3.0), 2)  # mean_i ‖g_i‖², n
+      >>> updates, state = tx.update(jnp.ones(2), state, params, microbatch_stats=stats)
+      >>> m = _noise.metrics(state)
+      >>> m["noise_scale"], m["noise_scale_examples"]
+      (Array(2., dtype=float32), Array(32., dtype=float32))
+
+    References:
+      McCandlish, Kaplan, Amodei, `An Empirical Model of Large-Batch Training
+      <https://arxiv.org/abs/1812.06162>`_, 2018 (Appendix A.1);
+      Johnson et al., `AdaScale SGD <https://arxiv.org/abs/2007.05105>`_, ICML 2020.
+    """
+    if batch_size is not None:
+        _checks.check_static_int("batch_size", batch_size)
+    _checks.check_number("tokens_per_example", tokens_per_example, low=0.0, low_open=True)
+    _checks.check_number("smoothing", smoothing, low=0.0, high=1.0, high_open=True)
+    nan = float("nan")
+
+    def init_fn(params):
+        del params
+        zero = lambda dtype=jnp.float32: jnp.zeros([], dtype)  # noqa: E731 - a fresh buffer per field (donation)
+        return NoiseScaleState(
+            count=zero(jnp.int32), grad_sqr=zero(), grad_var=zero(), ema_weight=zero(),
+            examples_per_sample=jnp.full([], nan, jnp.float32),
+            tokens_per_example=jnp.full([], nan if tokens_per_example is None else tokens_per_example, jnp.float32),
+        )
+
+    def update_fn(updates, state, params=None, *, microbatch_stats=None, **extra_args):
+        del extra_args
+        with jax.named_scope("noise_scale_monitor"):
+            return updates, _update(axis_name, batch_size, smoothing, updates, state, params, microbatch_stats)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update(axis_name, batch_size, smoothing, grads, state, params, stats) -> NoiseScaleState:
+    if stats is None:
+        raise TypeError(
+            "noise_scale_monitor needs the samples' statistics: tx.update(grads, opt_state, params, "
+            "microbatch_stats=stats) with stats from optax_adascale.value_and_grad, got microbatch_stats=None"
+        )
+    if not isinstance(stats, MicrobatchStats):
+        raise TypeError(f"microbatch_stats must be a MicrobatchStats, got {type(stats).__name__}")
+    _check_averaged(grads, axis_name)
+    try:
+        sq_leaves = jax.tree.structure(grads).flatten_up_to(stats.sq_norms)
+    except (ValueError, TypeError) as err:
+        raise ValueError("microbatch_stats.sq_norms must have the structure of the gradients") from err
+    n = _collect.axis_size(axis_name) * stats.num_microbatches
+    examples = jnp.full([], float("nan"), jnp.float32)
+    if batch_size is not None:
+        if batch_size % n:
+            raise ValueError(
+                f"batch_size={batch_size} must be a multiple of the n={n} gradient samples per update "
+                "(data shards × micro-batches): batch_size is the global batch of one update"
+            )
+        examples = jnp.full([], batch_size // n, jnp.float32)
+    if n == 1:
+        warnings.warn(
+            "noise_scale_monitor sees n = 1 gradient sample per update: one sample has no spread, so the noise "
+            "scale cannot be estimated and reads NaN. Split the batch into micro-batches "
+            "(optax_adascale.value_and_grad(loss_fn, num_microbatches=2)) or use several data shards.",
+            stacklevel=4,
+        )
+        return state._replace(examples_per_sample=examples)
+
+    model = _collect.model_axes(grads, params, axis_name)
+    a = sum(model.mask([jnp.asarray(s, jnp.float32) for s in sq_leaves]))
+    b = sum(model.mask([_collect.leaf_sq_norm(g) for g in jax.tree.leaves(grads)]))
+    if model.axes:
+        a, b = model.psum((a, b))
+    if axis_name is not None:
+        a = lax.pmean(a, axis_name)  # the one collective: a scalar
+
+    var_t, sqr_t = est.step_moments(a, b, n, n, 0.0)
+    theta = est.default_smoothing(n) if smoothing is None else smoothing
+    count = optax.safe_increment(state.count)
+    alpha, weight = est.ema_rate(count, state.ema_weight, theta)
+    ok = jnp.isfinite(a) & jnp.isfinite(b)
+    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    return NoiseScaleState(
+        count=keep(count, state.count),
+        grad_sqr=keep(est.ema_update(state.grad_sqr, sqr_t, alpha), state.grad_sqr),
+        grad_var=keep(est.ema_update(state.grad_var, var_t, alpha), state.grad_var),
+        ema_weight=keep(weight, state.ema_weight),
+        examples_per_sample=examples,
+        tokens_per_example=state.tokens_per_example,
+    )
+
+
+def _check_averaged(grads: Any, axis_name: Any) -> None:
+    """Raise where shard_map's types show per-replica gradients: the monitor expects the averaged ``ḡ``."""
+    for name in _collect.axis_names(axis_name):
+        if not _collect.vma_checked(name):
+            continue
+        for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
+            if name in _collect.varying_axes(leaf):
+                raise ValueError(
+                    f"grads{jax.tree_util.keystr(path)} varies over the data axis {name!r}: noise_scale_monitor "
+                    "passes its gradients on to your optimizer unchanged, so give it the averaged gradient, "
+                    f"jax.lax.pmean(grads, {name!r}), and this replica's microbatch_stats."
+                )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def get_noise_state(opt_state: Any) -> NoiseScaleState:
+    """Find the :class:`NoiseScaleState` in any nested optax state (or a checkpoint restored as dicts).
+
+    Raises:
+      ValueError: if there is none, or more than one.
+    """
+    if isinstance(opt_state, NoiseScaleState):
+        return opt_state
+    found: list[NoiseScaleState] = []
+    _search(opt_state, found)
+    if len(found) != 1:
+        raise ValueError(f"expected exactly one NoiseScaleState (noise_scale_monitor) in opt_state, found {len(found)}")
+    return found[0]
+
+
+def _search(node: Any, found: list[NoiseScaleState]) -> None:
+    if isinstance(node, NoiseScaleState):
+        found.append(node)
+        return
+    if isinstance(node, Mapping):
+        if set(NoiseScaleState._fields) <= set(node.keys()):
+            found.append(NoiseScaleState(**{f: node[f] for f in NoiseScaleState._fields}))
+            return
+        children = list(node.values())
+    elif isinstance(node, (list, tuple)):
+        children = list(node)
+    else:
+        children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
+        if len(children) == 1 and children[0] is node:
+            return
+    for child in children:
+        _search(child, found)
+
+
+def has_noise_state(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds exactly one :class:`NoiseScaleState`."""
+    found: list[NoiseScaleState] = []
+    _search(opt_state, found)
+    return len(found) == 1
+
+
+def metrics(opt_state: Any) -> dict[str, Array]:
+    """The monitor's readings, as plain float32 arrays.
+
+    Keys: ``noise_scale`` (``σ̄²/μ̄²`` in base batches, i.e. gradient samples),
+    ``noise_scale_examples`` (times the examples per sample: ``tr(Σ)/|G|²``),
+    ``noise_scale_tokens`` (times ``tokens_per_example``), ``grad_sqr``
+    (``μ̄²``), ``grad_var`` (``σ̄²``). The noise scales are NaN before the first
+    estimate (and with ``n = 1``), ``+inf`` where ``μ̄² = 0 < σ̄²`` (pure noise),
+    0 where ``σ̄² = 0`` (identical samples); the two in examples and tokens are
+    NaN without ``batch_size`` / ``tokens_per_example``.
+    """
+    s = jax.tree.map(_value, get_noise_state(opt_state))
+    var, sqr = s.grad_var, jnp.maximum(s.grad_sqr, 0.0)
+    ratio = jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
+    ratio = jnp.where(s.count > 0, ratio, jnp.nan)
+    examples = ratio * s.examples_per_sample
+    return {
+        "noise_scale": ratio,
+        "noise_scale_examples": examples,
+        "noise_scale_tokens": examples * s.tokens_per_example,
+        "grad_sqr": sqr,
+        "grad_var": var,
+    }
+
+
+def _value(x: Any) -> Array:
+    """A plain array from a leaf (unwraps Flax NNX variables)."""
+    for attr in ("get_value", "value"):
+        if hasattr(x, attr) and not isinstance(x, jax.Array):
+            v = getattr(x, attr)
+            return _value(v() if callable(v) else v)
+    return jnp.asarray(x)

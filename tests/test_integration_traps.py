@@ -1,0 +1,176 @@
+"""The traps of dropping AdaScale into existing trainers (docs/integrations.md): what the user sees.
+
+(i) ``optax.inject_hyperparams`` evaluating a learning-rate schedule on its own count (Levanter);
+(ii) count-based schedule readers and ``optax.scale_by_schedule`` (big_vision, Flax, MaxText);
+(iii) gradients averaged before the optimizer (Flax imagenet under pmap).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import optax_adascale
+
+N = 8  # replicas
+
+
+def schedule(t):
+    return 1.0 / (1.0 + jnp.asarray(t, jnp.float32))
+
+
+def _run(tx, steps=3):
+    """``steps`` updates of N replicas whose gradients are orthogonal (pure noise: gain N)."""
+    params = jnp.zeros(N)
+    state = tx.init(params)
+    step = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i"))
+    for _ in range(steps):
+        updates, state = step(jnp.eye(N), state, params)
+    return updates, state
+
+
+# --------------------------------------------------------------------------- (i) inject_hyperparams
+
+
+@pytest.mark.parametrize("factory", [optax_adascale.adascale_sgd, optax_adascale.adascale_adamw])
+def test_inject_hyperparams_schedule_is_refused(factory):
+    tx = optax.inject_hyperparams(factory, static_args=("accumulation_steps",))(learning_rate=schedule)
+    with pytest.raises(ValueError, match=r"static_args=\('learning_rate', 'accumulation_steps'\)"):
+        tx.init(jnp.zeros(2))
+
+
+def test_inject_hyperparams_schedule_is_refused_through_a_levanter_style_factory():
+    # Levanter's optim/config.py: `def _optimizer(learning_rate): ...; inject_hyperparams(_optimizer)(learning_rate=s)`.
+    def _optimizer(learning_rate):
+        return optax.chain(optax.clip_by_global_norm(1.0),
+                           optax_adascale.adascale(optax.scale_by_adam(), learning_rate))
+
+    tx = optax.inject_hyperparams(_optimizer)(learning_rate=schedule)
+    with pytest.raises(ValueError, match="inject_hyperparams' iteration count"):
+        tx.init(jnp.zeros(2))
+
+
+def test_inject_hyperparams_with_static_learning_rate_runs_the_schedule_on_tau():
+    plain_updates, plain = _run(optax_adascale.adascale_sgd(schedule, axis_name="i"))
+    injected = optax.inject_hyperparams(
+        optax_adascale.adascale_sgd, static_args=("learning_rate", "accumulation_steps")
+    )(learning_rate=schedule, axis_name="i")
+    updates, state = _run(injected)
+    m = optax_adascale.metrics(state)
+    assert float(m["gain"]) == pytest.approx(N)
+    # The third update runs at τ = 2N: lr(16), not lr(2) as the count would give.
+    np.testing.assert_allclose(m["base_learning_rate"], schedule(2 * N), rtol=1e-6)
+    np.testing.assert_array_equal(updates, plain_updates)
+
+
+def test_inject_hyperparams_constant_learning_rate_is_accepted_and_can_be_set():
+    tx = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("accumulation_steps",))(
+        learning_rate=0.5, axis_name="i")
+    params = jnp.zeros(N)
+    state = tx.init(params)
+    state.hyperparams["learning_rate"] = jnp.asarray(0.25)
+    step = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
+    _, state = step(jnp.eye(N), state, params)
+    np.testing.assert_allclose(optax_adascale.metrics(state)["base_learning_rate"], 0.25)
+
+
+def test_a_schedule_transformed_inside_the_factory_is_not_recognised_and_runs_on_the_count():
+    # The limit of the check: the factory hands AdaScale a new number (here lr·1), not the injected one.
+    def _optimizer(learning_rate):
+        return optax_adascale.adascale_sgd(learning_rate * 1.0, axis_name="i")
+
+    _, state = _run(optax.inject_hyperparams(_optimizer)(learning_rate=schedule))
+    np.testing.assert_allclose(optax_adascale.metrics(state)["base_learning_rate"], schedule(2), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- (ii) count-based schedules
+
+
+@pytest.mark.parametrize("wrap", [lambda t: t, lambda t: optax.masked(t, lambda p: jax.tree.map(lambda _: True, p))])
+def test_count_based_schedule_inside_inner_is_refused(wrap):
+    # big_vision's optax.py chains optax.masked(optax.scale_by_schedule(fn), mask) after the optimizer.
+    inner = optax.chain(optax.scale_by_adam(), wrap(optax.scale_by_schedule(schedule)))
+    tx = optax_adascale.adascale(inner, schedule)
+    with pytest.raises(ValueError, match="scale_by_schedule"):
+        tx.init({"w": jnp.zeros(2)})
+
+
+def test_count_readers_find_no_schedule_state_and_the_count_is_in_adascales_state():
+    # big_vision's get_count reads optax.ScaleByScheduleState.count; AdaScale has none. Its count is
+    # AdaScaleState.count, and the schedule's value is metrics()["base_learning_rate"] = lr(⌊τ⌋), not lr(count).
+    _, state = _run(optax_adascale.adascale_sgd(schedule, axis_name="i"))
+    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+    assert not [x for x in leaves if isinstance(x, optax.ScaleByScheduleState)]
+    assert int(optax_adascale.get_adascale_state(state).count) == 3
+    m = optax_adascale.metrics(state)
+    np.testing.assert_allclose(m["base_learning_rate"], schedule(2 * N), rtol=1e-6)
+    assert float(m["base_learning_rate"]) < float(schedule(2))  # what a count-based reader would log
+    np.testing.assert_allclose(m["learning_rate"], N * schedule(2 * N), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- (iii) averaged before update
+
+
+def _local_grads():
+    return jax.random.normal(jax.random.key(0), (N, 16)) + 0.5
+
+
+def test_gradients_pmeaned_before_update_under_pmap_show_only_in_floored_steps():
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="batch")
+    params = jnp.zeros(16)
+
+    def run(pmean_first):
+        def step(state, g):
+            if pmean_first:  # Flax examples/imagenet/train.py: grads = lax.pmean(grads, axis_name='batch')
+                g = lax.pmean(g, "batch")
+            return tx.update(g, state, params)[1]
+
+        p_step = jax.pmap(step, axis_name="batch", in_axes=(None, 0), out_axes=None)
+        state = tx.init(params)
+        for _ in range(3):
+            state = p_step(state, _local_grads())
+        return optax_adascale.metrics(state)
+
+    wrong, right = run(True), run(False)
+    assert int(wrong["floored_steps"]) == 3  # every update: the replicas looked identical
+    assert float(wrong["gain"]) == pytest.approx(1.0)
+    assert int(right["floored_steps"]) == 0 and float(right["gain"]) > 1.5
+
+
+def test_gradients_pmeaned_before_update_under_shard_map_raise():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="batch")
+    params = jnp.zeros(16)
+
+    def step(state, g):
+        return tx.update(lax.pmean(g[0], "batch"), state, params)[1]
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
+    with pytest.raises(ValueError, match="not per-replica gradients"):
+        f(tx.init(params), _local_grads())
+
+
+# --------------------------------------------------------------------------- clipping before update
+
+
+def test_clipping_before_update_inflates_the_variance():
+    # MaxText clips ḡ in train_step, before the optimizer; the samples' statistics stay unclipped.
+    samples = jax.random.normal(jax.random.key(4), (N, 16)) + 2.0
+    grads = samples.mean(0)
+    stats = optax_adascale.MicrobatchStats(jnp.mean(jnp.sum(samples**2, axis=1)), N)
+    clip = optax.clip_by_global_norm(1.0)
+    params = jnp.zeros(16)
+
+    inside = optax_adascale.adascale(optax.chain(clip, optax.identity()), 0.1)
+    _, s_inside = inside.update(grads, inside.init(params), params, microbatch_stats=stats)
+    before = optax_adascale.adascale(optax.identity(), 0.1)
+    clipped, _ = clip.update(grads, clip.init(params))
+    _, s_before = before.update(clipped, before.init(params), params, microbatch_stats=stats)
+
+    a, b = float(stats.sq_norms), float(jnp.sum(grads**2))
+    np.testing.assert_allclose(optax_adascale.metrics(s_inside)["grad_var"], N / (N - 1) * (a - b), rtol=1e-5)
+    assert float(optax_adascale.metrics(s_before)["grad_var"]) > 2 * float(optax_adascale.metrics(s_inside)["grad_var"])
+    assert float(optax_adascale.metrics(s_before)["gain"]) > float(optax_adascale.metrics(s_inside)["gain"])
