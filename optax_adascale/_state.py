@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_adascale import _zero
+from optax_adascale import _noise, _zero
 from optax_adascale._adascale import AdaScaleState
 
 _PER_REPLICA_FIELDS = ("acc_grads", "acc_sq_norm")
@@ -159,8 +159,19 @@ def metrics(opt_state: Any) -> dict[str, Any]:
       >>> m = optax_adascale.metrics(tx.init(jnp.zeros(2)))
       >>> m["gain"], m["scale_invariant_steps"], m["grad_var"]
       (Array(1., dtype=float32), Array(0., dtype=float32), Array(0., dtype=float32))
-    """
-    s = get_adascale_state(opt_state)
+    
+    With a :func:`noise_scale_monitor` (and no AdaScale) in the chain, its keys:
+    ``noise_scale``, ``noise_scale_examples``, ``noise_scale_tokens``,
+    ``grad_sqr``, ``grad_var``; with both, AdaScale's keys plus the monitor's
+    ``noise_scale_examples`` and ``noise_scale_tokens``.
+"""
+    monitor = _noise.metrics(opt_state) if _noise.has_noise_state(opt_state) else None
+    try:
+        s = get_adascale_state(opt_state)
+    except ValueError:
+        if monitor is None:
+            raise
+        return monitor
     total = lambda v: sum(jax.tree.leaves(jax.tree.map(_value, v)))  # noqa: E731
     out = {
         "gain": _value(s.gain),
@@ -176,6 +187,8 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     }
     if isinstance(s.group_gains, Mapping) and s.group_gains:
         out["group_gains"] = {k: _value(v) for k, v in s.group_gains.items()}
+    if monitor is not None:
+        out.update({k: v for k, v in monitor.items() if k not in out})
     return out
 
 
