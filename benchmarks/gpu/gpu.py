@@ -1,7 +1,7 @@
 """The accelerator suite: what AdaScale costs per step on one GPU, against SGD run side by side.
 
 Six cases, each a function; one JSON file with every result (``--out``) and a "gpu" section of
-``benchmarks/RESULTS.md`` made from it (``--report``):
+``benchmarks/gpu/README.md`` made from it (``--report``):
 
   update    update only: flat f32 parameters (67M and 268M, leaves of 4096 x 4096), momentum 0.9,
             donated buffers, a fixed gradient with precomputed ``MicrobatchStats(k=8)`` (no axis).
@@ -41,11 +41,11 @@ over ``--rounds`` rounds; absolute milliseconds are recorded too, the ratios are
 The torch peer runs first, before JAX initialises the GPU, so that JAX's preallocation leaves it
 room; its memory is released before the JAX cases start.
 
-    python benchmarks/gpu.py --out benchmarks/gpu_h100.json      # the suite (estimated 4-6 min on an H100)
-    python benchmarks/gpu.py --smoke --out /tmp/gpu_smoke.json   # tiny shapes on a CPU: about a minute
-    python benchmarks/gpu.py --smoke --no-peer --variants adascale --rounds 2   # the test's subset
-    python benchmarks/gpu.py --profile /tmp/trace --cases lm profile   # + a jax.profiler trace
-    python benchmarks/gpu.py --report benchmarks/gpu_h100.json         # -> RESULTS.md "gpu" section
+    python -m benchmarks.gpu --out benchmarks/gpu/gpu_h100.json      # the suite (estimated 4-6 min on an H100)
+    python -m benchmarks.gpu --smoke --out /tmp/gpu_smoke.json   # tiny shapes on a CPU: about a minute
+    python -m benchmarks.gpu --smoke --no-peer --variants adascale --rounds 2   # the test's subset
+    python -m benchmarks.gpu --profile /tmp/trace --cases lm profile   # + a jax.profiler trace
+    python -m benchmarks.gpu --report benchmarks/gpu/gpu_h100.json         # -> README.md "gpu" section
 
 torch and fairscale are optional (not package dependencies): ``pip install torch`` and then
 ``pip install --no-build-isolation fairscale==0.4.13`` (its sdist needs the installed torch).
@@ -60,9 +60,7 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -70,6 +68,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.harness import report, timing
+
+_r = timing.fmt_ratio  # "median (min–max)"
 
 CASES = ("update", "lm", "lm_vmap", "cnn", "peer", "profile")
 AXIS = "data"
@@ -115,16 +117,11 @@ def time_alternating(runners: dict[str, Callable[[int], None]], base: str, round
             t0 = time.perf_counter()
             run(steps)
             times[name].append((time.perf_counter() - t0) / steps)
-    b = np.array(times[base])
-    ratios = {}
-    for name, t in times.items():
-        r = np.array(t) / b
-        ratios[name] = {"median": float(np.median(r)), "min": float(np.min(r)), "max": float(np.max(r))}
     return {
         "baseline": base,
         "rounds": rounds,
         "steps_per_block": steps,
-        "ratios": ratios,
+        "ratios": timing.ratios(times, base),
         "median_ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
         "min_ms": {name: 1e3 * min(t) for name, t in times.items()},
     }
@@ -647,53 +644,27 @@ def TorchGPT(torch, cfg: dict):  # noqa: N802 - a class factory: torch is import
 # --------------------------------------------------------------------------- case 5: HLO top costs
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_ARRAY = re.compile(r"\b(pred|s8|u8|f16|bf16|s16|u16|f32|s32|u32|f64|s64|u64)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-          "f64": 8, "s64": 8, "u64": 8}
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
 SCOPES = ("adascale/reduce", "adascale/statistics", "adascale/learning_rate", "adascale/scale_updates",
           "adascale/state")
 
 
-def type_bytes(type_str: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(type_str):
-        total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
 def hlo_costs(text: str, skip: tuple[str, ...] = ()) -> list[dict]:
-    """Instructions of the entry computation that do work, with bytes read (operands) and written (result)."""
-    entry = text.split("\nENTRY", 1)[1].splitlines()[1:]
-    types: dict[str, str] = {}
+    """``_hlo.instruction_bytes`` of the entry computation, each tagged with the package scope it runs in."""
+    from optax_adascale import _hlo
+
     rows = []
-    for line in entry:
-        if line.strip() == "}":
-            break
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, result, op, rest = m.groups()
-        types[name] = result
-        if op in _FREE or op in skip:
-            continue
-        operands = re.findall(r"%([\w.\-]+)", rest.split("), ", 1)[0])
-        read = sum(type_bytes(types.get(o, "")) for o in operands)
-        op_name = re.search(r'op_name="([^"]*)"', line)
-        path = op_name.group(1) if op_name else ""
-        scope = next((s for s in SCOPES if s in path), "")
-        kind = re.search(r"kind=(\w+)", line)
-        rows.append({
-            "name": name, "op": op, "kind": kind.group(1) if kind else "", "result": _short_type(result),
-            "bytes_read": read, "bytes_written": type_bytes(result), "bytes": read + type_bytes(result),
-            "scope": scope or (f"other: {_short_path(path)}" if path else "other (no op_name)"),
-        })
+    for r in _hlo.instruction_bytes(text, skip):
+        scope = next((s for s in SCOPES if s in r["op_name"]), "")
+        path = r.pop("op_name")
+        rows.append({**r, "result": _short_type(r["result"]),
+                     "scope": scope or (f"other: {_short_path(path)}" if path else "other (no op_name)")})
     return rows
 
 
 def _short_type(t: str) -> str:
-    arrays = [f"{dt}[{dims}]" for dt, dims in _ARRAY.findall(t)]
+    from optax_adascale import _hlo
+
+    arrays = [f"{dt}[{','.join(map(str, dims))}]" for dt, dims in _hlo.arrays(t)]
     return arrays[0] if len(arrays) == 1 else f"({len(arrays)} arrays) " + ", ".join(arrays[:2]) + (
         ", ..." if len(arrays) > 2 else "")
 
@@ -753,7 +724,9 @@ def print_top_costs(prof: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few rounds (seconds on a CPU)")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--no-peer", action="store_true", help="skip the torch/FairScale case")
@@ -767,8 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=8, help="fusions listed in the top-costs table")
     parser.add_argument("--profile", type=Path, default=None, help="write a jax.profiler trace of the LM step here")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("gpu.json"))
-    parser.add_argument("--report", type=Path, help="write RESULTS.md's 'gpu' section from this JSON file")
-    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    parser.add_argument("--report", type=Path, help="write the results' 'gpu' section from this JSON file")
+    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("README.md"))
     args = parser.parse_args(argv)
     if args.report:
         print(f"wrote {write_report(args.report, args.results)}")
@@ -777,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     args.block_s = args.block_s or (0.01 if args.smoke else 0.2)
     if args.no_peer and "peer" in args.cases:
         args.cases.remove("peer")
-    command = "python benchmarks/gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = report.command_line("gpu", argv)
     results, errors, wall = {}, {}, {}
 
     def run(name, fn, *fn_args):
@@ -840,10 +813,6 @@ def _p(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
 
 
-def _r(r: dict) -> str:
-    return f"{r['median']:.3f} ({r['min']:.2f}–{r['max']:.2f})"
-
-
 def print_case(name: str, res: dict) -> None:
     if "error" in res or "skipped" in res:
         print(f"  {res.get('error') or res['skipped']}", flush=True)
@@ -866,22 +835,19 @@ def print_case(name: str, res: dict) -> None:
 
 
 def write_report(path: Path, results_md: Path) -> Path:
-    """The "gpu" section of RESULTS.md from one benchmark JSON file (the hand-written reading is kept)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import report
-
+    """The "gpu" section of ``results_md`` (the study's README.md) from one JSON file; the reading is kept."""
     data = json.loads(path.read_text())
     meta, cases = data["meta"], data["cases"]
     out = ["## GPU", ""]
     if meta["backend"] == "cpu":
         out += [f"> **These are CPU smoke numbers** ({meta['device']}, tiny shapes): no GPU was available in the "
                 "session that made them. They show that every case runs end to end; they say nothing about "
-                "accelerator performance. Run `python benchmarks/gpu.py --out benchmarks/gpu_h100.json` on a GPU "
+                "accelerator performance. Run `python -m benchmarks.gpu --out benchmarks/gpu/gpu_h100.json` on a GPU "
                 "and `--report` that file to replace this section.", ""]
     out += [f"Device: **{meta['device']}**, JAX {meta['jax']}, host {meta['host']}, {meta['date']}; the run "
             f"took {sum(meta['wall_s'].values()):.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in
                                                          meta["wall_s"].items()) + ").", "",
-            "Commands:", "", f"- `{meta['command'].strip()}`", f"- `python benchmarks/gpu.py --report {path}` "
+            "Commands:", "", f"- `{meta['command'].strip()}`", f"- `python -m benchmarks.gpu --report {path}` "
             "(this section)", "",
             "Each variant compiled once"
             + (" (a case's variants concurrently, on this CPU)" if meta.get("concurrent_compile") else "")

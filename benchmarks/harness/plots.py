@@ -36,9 +36,10 @@ def mean_curve(results: dict, task: str, method: str, scale: int, seeds, key: st
 
 
 def log_tau(record: dict) -> np.ndarray:
-    """τ after each logged iteration, interpolated from the checkpoints (τ is monotone in the iteration).
+    """τ before each logged iteration, interpolated from the checkpoints (τ is monotone in the iteration).
 
-    ``logs["it"]`` holds 0-based iteration indices; after iteration ``i`` the run has done ``i + 1``.
+    ``logs["it"]`` holds 0-based iteration indices and ``curve["it"]`` iterations done, so iteration
+    ``i`` starts at ``τ(i)``: the τ at which its gain was measured and its step size ``lr(⌊τ⌋)`` chosen.
     """
     curve = record["curve"]
-    return np.interp(np.asarray(record["logs"]["it"]) + 1, curve["it"], curve["tau"])
+    return np.interp(record["logs"]["it"], curve["it"], curve["tau"])

@@ -1,6 +1,6 @@
 """AdaScale vs. fixed scaling rules: a miniature of the paper's Table 2 and Figures 1-3.
 
-Three small tasks (``scaling_tasks.py``), each with one base batch size ``B``,
+Three small tasks (``tasks.py``), each with one base batch size ``B``,
 one base-batch budget ``T`` and one simple schedule tuned once at ``S = 1``.
 At each scale ``S ∈ {1, 2, …, 64}`` (``S`` replicas of batch ``B``, a
 ``jax.vmap`` axis) three methods train from the same initialisation on the same
@@ -20,20 +20,20 @@ stream of batches:
 Gradients are averaged over the replicas with ``lax.pmean`` (inside AdaScale's
 update for AS). A whole run is one jitted program: a ``lax.scan`` over
 evaluation checkpoints, each a ``lax.while_loop`` of training steps. Each cell
-(task, method, S, seed) is cached as JSON under ``benchmarks/.cache/scaling/``
+(task, method, S, seed) is cached as JSON under ``benchmarks/scaling/.cache/``
 so the grid resumes where it stopped; ``--smoke`` runs a tiny grid uncached.
 
 Usage::
 
-    python benchmarks/scaling.py                         # the full grid, tables, plots
-    python benchmarks/scaling.py --tasks digits --scales 1 2 4   # one chunk
-    python benchmarks/scaling.py --smoke --out /tmp/scaling      # < 60 s, every code path
-    python benchmarks/scaling.py --tune                  # the S = 1 learning-rate sweep
-    python benchmarks/scaling.py --tasks regression --scales 4 16 64 --seeds 1 --no-baselines --no-report \
+    python -m benchmarks.scaling                         # the full grid, tables, plots
+    python -m benchmarks.scaling --tasks digits --scales 1 2 4   # one chunk
+    python -m benchmarks.scaling --smoke --out /tmp/scaling      # < 60 s, every code path
+    python -m benchmarks.scaling --tune                  # the S = 1 learning-rate sweep
+    python -m benchmarks.scaling --tasks regression --scales 4 16 64 --seeds 1 --no-baselines --no-report \
         --estimators "AS-H(T/50)" "AS-H(T/10,T/50)"      # explore estimator variants (tracking table on stdout)
 
-Outputs: the "scaling" section of ``benchmarks/RESULTS.md`` and ``benchmarks/plots/scaling_*.png``
-(or under ``--out``).
+Outputs: the "scaling" section of ``benchmarks/scaling/README.md`` and ``benchmarks/scaling/plots/scaling_*.png``
+(or ``README.md`` and ``plots/`` under ``--out``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import operator  # noqa: E402
 import re  # noqa: E402
@@ -58,12 +57,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import report  # noqa: E402
-import scaling_tasks  # noqa: E402
-
 import optax_adascale  # noqa: E402
+from benchmarks.harness import cache as cell_cache  # noqa: E402
+from benchmarks.harness import plots, report, stats  # noqa: E402
+from benchmarks.scaling import tasks as scaling_tasks  # noqa: E402
 from optax_adascale import scaling_rules  # noqa: E402
 
 AXIS = "replicas"
@@ -274,16 +271,6 @@ def compiled_offline_moments(task, num_batches):
 # --------------------------------------------------------------------------- one cell
 
 
-def _thin(n, points=LOG_POINTS):
-    """Indices of about ``points`` iterations out of ``n``, denser at the start (log-spaced then linear)."""
-    if n <= points:
-        return np.arange(n)
-    idx = np.unique(
-        np.concatenate([np.geomspace(1, n, points // 2).astype(int) - 1, np.linspace(0, n - 1, points // 2)])
-    )
-    return idx.astype(int)
-
-
 def _tolist(x):
     return [float(v) for v in np.asarray(x, np.float64)]
 
@@ -343,7 +330,7 @@ def run_cell(task, method, scale, seed, *, as_iterations=None, num_evals=NUM_EVA
         it = it_end
     snapshots = jax.tree.map(lambda *xs: jnp.concatenate(xs), *snapshots)
     last = evals[-1]
-    keep = _thin(len(logs["it"]))
+    keep = stats.thin(len(logs["it"]), LOG_POINTS)
     record = {
         "task": task.name,
         "method": method,
@@ -373,35 +360,11 @@ def run_cell(task, method, scale, seed, *, as_iterations=None, num_evals=NUM_EVA
 # --------------------------------------------------------------------------- the grid
 
 
-class Cache:
-    """One JSON file per cell; ``None`` directory means no caching (smoke)."""
-
-    def __init__(self, directory):
-        self.directory = directory
-
-    def path(self, task, method, scale, seed):
-        # "AS", "LSW", "LSW+" → AS, LSW, LSWplus; a variant "AS-H(T/5,T/50)" → AS-H_T_5_T_50
-        name = re.sub(r"[^A-Za-z0-9.-]+", "_", method.replace("+", "plus")).strip("_")
-        tag = "elastic" if method == "elastic" else f"{name}_S{scale}"
-        return self.directory / f"{task.name}_{tag}_seed{seed}.json"
-
-    def get(self, task, method, scale, seed):
-        if self.directory is None:
-            return None
-        path = self.path(task, method, scale, seed)
-        if not path.exists():
-            return None
-        record = json.loads(path.read_text())
-        return record if record.get("config") == json.loads(json.dumps(task.config())) else None
-
-    def put(self, record, task):
-        if self.directory is None:
-            return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.path(task, record["method"], record["scale"], record["seed"])
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(path)
+def _cell_name(task, method, scale, seed):
+    """``"AS"``, ``"LSW"``, ``"LSW+"`` → AS, LSW, LSWplus; a variant ``"AS-H(T/5,T/50)"`` → AS-H_T_5_T_50."""
+    name = re.sub(r"[^A-Za-z0-9.-]+", "_", method.replace("+", "plus")).strip("_")
+    tag = "elastic" if method == "elastic" else f"{name}_S{scale}"
+    return f"{task.name}_{tag}_seed{seed}"
 
 
 def run_grid(
@@ -463,26 +426,13 @@ def run_grid(
 # --------------------------------------------------------------------------- tables
 
 
-def _stats(values):
-    arr = np.asarray(values, np.float64)
-    return float(np.mean(arr)), float(np.std(arr, ddof=1)) if len(arr) > 1 else 0.0, len(arr)
-
-
 def is_worse(task, base_values, values):
     """Significantly worse than ``S = 1``: beyond 2 standard errors of the difference *and* the task's tolerance."""
     if not np.all(np.isfinite(values)):
         return True
-    m0, s0, n0 = _stats(base_values)
-    m, s, n = _stats(values)
-    diff = (m0 - m) if task.higher_is_better else (m - m0)
-    tol = task.tolerance if task.higher_is_better else task.tolerance * abs(m0)
-    return diff > max(2.0 * math.sqrt(s0**2 / n0 + s**2 / n), tol)
-
-
-def _fmt(mean, std, digits):
-    if not math.isfinite(mean):
-        return "diverged"
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+    diff, se2 = stats.worse_by(task.higher_is_better, base_values, values)
+    tol = task.tolerance if task.higher_is_better else task.tolerance * abs(stats.mean_std(base_values)[0])
+    return diff > max(se2, tol)
 
 
 def _fmt_sci(mean, std):
@@ -501,7 +451,7 @@ def table(task, results, scales, seeds):
     """Markdown table in the layout of the paper's Table 2."""
     head = "| S |" + "".join(f" {m} {task.metric} | {m} train loss | {m} iters |" for m in METHODS)
     lines = [head, "|---:|" + "---:|---:|---:|" * len(METHODS)]
-    fmt = (lambda m, s: _fmt(m, s, 2)) if task.higher_is_better else _fmt_sci
+    fmt = (lambda m, s: stats.fmt(m, s, 2)) if task.higher_is_better else _fmt_sci
     for scale in scales:
         row = f"| {scale} |"
         for method in METHODS:
@@ -516,8 +466,8 @@ def table(task, results, scales, seeds):
             flag = " ✗" if scale != scales[0] and (diverged or is_worse(task, base, metric)) else ""
             if diverged:
                 flag += f" ({diverged}/{len(recs)} diverged)"
-            iters = _stats([r["iterations"] for r in recs])[0]
-            row += f" {fmt(*_stats(metric)[:2])}{flag} | {_fmt_sci(*_stats(loss)[:2])} | {iters:.0f} |"
+            iters = stats.mean_std([r["iterations"] for r in recs])[0]
+            row += f" {fmt(*stats.mean_std(metric)[:2])}{flag} | {_fmt_sci(*stats.mean_std(loss)[:2])} | {iters:.0f} |"
         lines.append(row)
     return "\n".join(lines)
 
@@ -530,15 +480,15 @@ def elastic_table(tasks, results, seeds):
     for task in tasks:
         if (task.name, "elastic", ELASTIC_PHASES[-1][0], seeds[0]) not in results:
             continue
-        fmt = (lambda m, s: _fmt(m, s, 2)) if task.higher_is_better else _fmt_sci
+        fmt = (lambda m, s: stats.fmt(m, s, 2)) if task.higher_is_better else _fmt_sci
         for label, method, scale in (("AS, S = 2", "AS", 2), ("AS, S = 2→4→8", "elastic", 8), ("AS, S = 8", "AS", 8)):
             recs = [results.get((task.name, method, scale, seed)) for seed in seeds]
             if any(r is None for r in recs):
                 continue
-            metric = _stats([r["final"]["metric"] for r in recs])
-            loss = _stats([r["final"]["train_loss"] for r in recs])
-            iters = _stats([r["iterations"] for r in recs])[0]
-            tau = _stats([r["tau"] for r in recs])[0]
+            metric = stats.mean_std([r["final"]["metric"] for r in recs])
+            loss = stats.mean_std([r["final"]["train_loss"] for r in recs])
+            iters = stats.mean_std([r["iterations"] for r in recs])[0]
+            tau = stats.mean_std([r["tau"] for r in recs])[0]
             lines.append(
                 f"| {task.name} ({task.metric}) | {label} | {fmt(*metric[:2])} | {_fmt_sci(*loss[:2])} | "
                 f"{iters:.0f} | {tau:.0f} |"
@@ -611,7 +561,7 @@ def gain_tracking(task, record, scale):
         )
     if "offline" in record:
         off = offline_gain(record, scale)
-        rel = np.interp(record["offline"]["tau"], _log_tau(record), gain) / off - 1.0
+        rel = np.interp(record["offline"]["tau"], plots.log_tau(record), gain) / off - 1.0
         noise = float("nan")
         halves = record["offline"].get("halves")
         if halves is not None:
@@ -689,7 +639,7 @@ def estimator_table(task, results, scales, seeds, methods):
         f" {_label(m)} {task.metric} | {_label(m)} iters |" + ("" if m == "AS" else " vs AS |") for m in methods
     )
     lines = [head, "|---:|" + "".join("---:|---:|" + ("" if m == "AS" else "---:|") for m in methods)]
-    fmt = (lambda m, s: _fmt(m, s, 2)) if task.higher_is_better else _fmt_sci
+    fmt = (lambda m, s: stats.fmt(m, s, 2)) if task.higher_is_better else _fmt_sci
     for scale in scales:
         row = f"| {scale} |"
         as_iters = None
@@ -698,8 +648,8 @@ def estimator_table(task, results, scales, seeds, methods):
             if recs is None:
                 row += " — | — |" + ("" if method == "AS" else " — |")
                 continue
-            iters = _stats([r["iterations"] for r in recs])[0]
-            row += f" {fmt(*_stats([r['final']['metric'] for r in recs])[:2])}{flag} | {iters:.0f} |"
+            iters = stats.mean_std([r["iterations"] for r in recs])[0]
+            row += f" {fmt(*stats.mean_std([r['final']['metric'] for r in recs])[:2])}{flag} | {iters:.0f} |"
             if method == "AS":
                 as_iters = iters
             else:
@@ -720,7 +670,7 @@ def iterations_saved_table(tasks, results, scales, seeds, method):
             if as_recs is None or recs is None:
                 cells.append("—")
                 continue
-            a, b = (_stats([r["iterations"] for r in rs])[0] for rs in (as_recs, recs))
+            a, b = (stats.mean_std([r["iterations"] for r in rs])[0] for rs in (as_recs, recs))
             cells.append(f"{a:.0f} → {b:.0f} ({100 * (b / a - 1):+.0f} %){flag}")
         lines.append(f"| {task.name} | {' | '.join(cells)} |")
     return "\n".join(lines)
@@ -751,30 +701,11 @@ def offline_gain(record, scale):
     return _gain(np.asarray(record["offline"]["sigma2"]), np.asarray(record["offline"]["mu2"]), scale)
 
 
-def _log_tau(record):
-    """τ at each logged iteration, interpolated from the evaluation checkpoints (τ is monotone in it)."""
-    curve = record["curve"]
-    return np.interp(record["logs"]["it"], curve["it"], curve["tau"])
-
-
 # --------------------------------------------------------------------------- plots
 
 
-def _mean_curve(results, task, method, scale, seeds, key="metric"):
-    recs = [results[(task.name, method, scale, s)] for s in seeds if (task.name, method, scale, s) in results]
-    if not recs:
-        return None, None
-    n = min(len(r["curve"]["tau"]) for r in recs)
-    tau = np.mean([r["curve"]["tau"][:n] for r in recs], axis=0)
-    val = np.mean([r["curve"][key][:n] for r in recs], axis=0)
-    return tau, val
-
-
 def make_plots(tasks, results, scales, seeds, plot_dir):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     plot_dir.mkdir(parents=True, exist_ok=True)
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(scales)))
@@ -786,7 +717,7 @@ def make_plots(tasks, results, scales, seeds, plot_dir):
         for row, method in enumerate(("AS", "LSW")):
             ax = axes[row, j]
             for c, s in zip(colors, scales, strict=True):
-                tau, val = _mean_curve(results, task, method, s, seeds)
+                tau, val = plots.mean_curve(results, task.name, method, s, seeds)
                 if tau is not None:
                     ax.plot(tau, val, color=c, label=f"S={s}")
             ax.set_title(f"{task.title}: {method}")
@@ -798,7 +729,7 @@ def make_plots(tasks, results, scales, seeds, plot_dir):
                 ax.set_ylim(bottom=max(0.0, ax.get_ylim()[0]))
         axes[0, j].legend(fontsize=7)
     fig.tight_layout()
-    paths.append(_save(fig, plot_dir / "scaling_curves.png", plt))
+    paths.append(plots.save(fig, plot_dir / "scaling_curves.png"))
 
     # Effective learning rate vs iteration: AdaScale's warm-up emerges.
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
@@ -818,7 +749,7 @@ def make_plots(tasks, results, scales, seeds, plot_dir):
         ax.set_title(task.title)
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
-    paths.append(_save(fig, plot_dir / "scaling_lr.png", plt))
+    paths.append(plots.save(fig, plot_dir / "scaling_lr.png"))
 
     # Gain: online vs closed form (regression) and vs offline estimate (classification).
     show = [s for s in scales if s in (4, 16, 64)] or [scales[-1]]
@@ -833,7 +764,7 @@ def make_plots(tasks, results, scales, seeds, plot_dir):
                 r = results.get((task.name, "AS", s, seeds[0]))
                 if r is None:
                     continue
-                tau = _log_tau(r)
+                tau = plots.log_tau(r)
                 ax.plot(tau, r["logs"]["gain"], color=c, lw=1, label=f"online, S={s}")
                 if task.moments is not None:
                     ax.plot(tau, r["logs"]["true_gain"], color=c, ls="--", lw=1.5, label=f"closed form, S={s}")
@@ -844,7 +775,7 @@ def make_plots(tasks, results, scales, seeds, plot_dir):
             ax.set_title(f"{task.title}: gain")
             ax.legend(fontsize=6)
         fig.tight_layout()
-        paths.append(_save(fig, plot_dir / "scaling_gain.png", plt))
+        paths.append(plots.save(fig, plot_dir / "scaling_gain.png"))
 
     # Elastic: S = 2 → 4 → 8 at τ = T/4, T/2.
     el = [t for t in tasks if (t.name, "elastic", ELASTIC_PHASES[-1][0], seeds[0]) in results]
@@ -857,7 +788,7 @@ def make_plots(tasks, results, scales, seeds, plot_dir):
                 ("S=8", "AS", 8, "--"),
                 ("S=2→4→8", "elastic", 8, "-"),
             ):
-                tau, val = _mean_curve(results, task, method, s, seeds)
+                tau, val = plots.mean_curve(results, task.name, method, s, seeds)
                 if tau is not None:
                     ax.plot(tau, val, style, label=label)
             for _, frac in ELASTIC_PHASES[:-1]:
@@ -870,24 +801,21 @@ def make_plots(tasks, results, scales, seeds, plot_dir):
             ax.legend(fontsize=7)
             ax = axes[1, j]
             r = results[(task.name, "elastic", ELASTIC_PHASES[-1][0], seeds[0])]
-            ax.plot(_log_tau(r), r["logs"]["gain"], lw=1, label="gain r_t")
-            scale_at = np.asarray([_elastic_scale(t, task) for t in _log_tau(r)])
-            ax.plot(_log_tau(r), scale_at, "k--", lw=1, label="S")
+            ax.plot(plots.log_tau(r), r["logs"]["gain"], lw=1, label="gain r_t")
+            scale_at = np.asarray([_elastic_scale(t, task) for t in plots.log_tau(r)])
+            ax.plot(plots.log_tau(r), scale_at, "k--", lw=1, label="S")
             ax.set_xlabel("τ")
             ax.set_ylabel("gain")
             ax.legend(fontsize=7)
         fig.tight_layout()
-        paths.append(_save(fig, plot_dir / "scaling_elastic.png", plt))
+        paths.append(plots.save(fig, plot_dir / "scaling_elastic.png"))
     return paths
 
 
 def make_tracking_plot(tasks, results, scales, seed, methods, plot_dir):
     """Online gain of AS and its estimator variants vs the closed form (regression) and the offline estimate."""
     shown = [s for s in scales if s in (16, 64)] or [max(scales)]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     panels = [t for t in tasks if t.moments is not None]
     panels += [t for t in tasks if any("offline" in results.get((t.name, "AS", s, seed), {}) for s in shown)]
@@ -902,7 +830,7 @@ def make_tracking_plot(tasks, results, scales, seed, methods, plot_dir):
                 r = results.get((task.name, method, s, seed))
                 if r is None:
                     continue
-                tau = _log_tau(r)
+                tau = plots.log_tau(r)
                 ax.plot(tau, r["logs"]["gain"], color=color, lw=0.9, label=f"online, {_label(method).strip('`')}")
                 if task.moments is not None:
                     ax.plot(tau, r["logs"]["true_gain"], color=color, ls="--", lw=1.3, label="closed form (same run)")
@@ -923,7 +851,7 @@ def make_tracking_plot(tasks, results, scales, seed, methods, plot_dir):
             ax.set_ylim(0, s * 1.05)
             ax.legend(fontsize=6)
     fig.tight_layout()
-    return _save(fig, plot_dir / "scaling_tracking.png", plt)
+    return plots.save(fig, plot_dir / "scaling_tracking.png")
 
 
 def _elastic_scale(tau, task):
@@ -931,12 +859,6 @@ def _elastic_scale(tau, task):
         if tau < frac * task.total_steps:
             return s
     return ELASTIC_PHASES[-1][0]
-
-
-def _save(fig, path, plt):
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # --------------------------------------------------------------------------- report
@@ -958,8 +880,8 @@ PLOT_CAPTIONS = {
 
 
 def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_s, *, smoke=False, estimators=()):
-    """Write the "scaling" section of ``path`` (RESULTS.md); its hand-written reading is kept."""
-    rel = lambda p: os.path.relpath(p, path.parent)  # noqa: E731
+    """Write the "scaling" section of ``path`` (the study's README.md); its hand-written reading is kept."""
+    rel = lambda p: report.relative(p, path)  # noqa: E731
     reading = report.kept_reading(path, "scaling")
     out = [
         "## Scaling",
@@ -971,7 +893,7 @@ def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_
         + (
             "smoke mode: tiny budgets, nothing cached"
             if smoke
-            else "cells are cached under `benchmarks/.cache/scaling/`"
+            else "cells are cached under `benchmarks/scaling/.cache/`"
         )
         + f"; this invocation took {wall_s:.0f} s).",
         "",
@@ -1106,9 +1028,9 @@ def tune(tasks, rates, seeds, log=print):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny grid, no cache, every code path")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: benchmarks/)")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: benchmarks/scaling/)")
     parser.add_argument("--tasks", nargs="+", default=None, choices=("mnist1d", "digits", "regression"))
     parser.add_argument("--scales", nargs="+", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=3)
@@ -1130,11 +1052,11 @@ def main(argv=None):
     if args.smoke:
         # Compilation dominates a smoke run: ask XLA for less optimisation work.
         jax.config.update("jax_disable_most_optimizations", True)
-        cache = Cache(None)
+        cache = cell_cache.CellCache(None, _cell_name)
         scales, seeds, num_evals, offline, elastic_tasks = (1, 8), [0], 4, 50, {"digits"}
         estimator_tasks = {"regression"}
     else:
-        cache = Cache(out / ".cache" / "scaling")
+        cache = cell_cache.CellCache(out / ".cache", _cell_name)
         scales, seeds, num_evals, offline, elastic_tasks = (
             SCALES,
             list(range(args.seeds)),
@@ -1144,7 +1066,7 @@ def main(argv=None):
         )
         estimator_tasks = None
     scales = tuple(args.scales) if args.scales else scales
-    data_cache = None if args.smoke else HERE / ".cache" / "scaling"
+    data_cache = None if args.smoke else HERE / ".cache"
     all_tasks = scaling_tasks.make_tasks(smoke=args.smoke, cache_dir=data_cache)
     tasks = [all_tasks[n] for n in (args.tasks or all_tasks)]
 
@@ -1177,20 +1099,20 @@ def main(argv=None):
     plot_paths = make_plots(tasks, results, scales, seeds, out / "plots")
     tracking = make_tracking_plot(tasks, results, scales, seeds[0], ("AS", *estimators[:1]), out / "plots")
     plot_paths += [tracking] if tracking is not None else []
-    command = "python benchmarks/scaling.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
-    report = write_report(
-        out / "RESULTS.md",
+    command = report.command_line("scaling", argv)
+    written = write_report(
+        out / "README.md",
         tasks,
         results,
         scales,
         seeds,
         plot_paths,
-        command.strip(),
+        command,
         time.perf_counter() - start,
         smoke=args.smoke,
         estimators=estimators,
     )
-    print(f"wrote {report} and {len(plot_paths)} plots in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {written} and {len(plot_paths)} plots in {time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.adam.adam import main
+
+sys.exit(main())

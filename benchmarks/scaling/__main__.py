@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.scaling.scaling import main
+
+sys.exit(main())
