@@ -69,9 +69,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import report, timing
-
-_r = timing.fmt_ratio  # "median (min–max)"
+from benchmarks.harness import report
+from benchmarks.harness.timing import fmt_ratio as _r  # "median (min–max)"
+from benchmarks.harness.timing import ratios
 
 CASES = ("update", "lm", "lm_vmap", "cnn", "peer", "profile")
 AXIS = "data"
@@ -121,7 +121,7 @@ def time_alternating(runners: dict[str, Callable[[int], None]], base: str, round
         "baseline": base,
         "rounds": rounds,
         "steps_per_block": steps,
-        "ratios": timing.ratios(times, base),
+        "ratios": ratios(times, base),
         "median_ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
         "min_ms": {name: 1e3 * min(t) for name, t in times.items()},
     }
