@@ -70,7 +70,3 @@ def main(argv: list[str] | None = None) -> int:
             report.kept_reading(args.results, "delayed"), "", *rows]
     print(f"wrote {report.write_section(args.results, 'delayed', chr(10).join(body))}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

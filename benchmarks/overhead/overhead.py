@@ -389,7 +389,3 @@ def print_row(row: dict) -> None:
             f"compile x{row['compile_ratio'][name]:.2f}",
             flush=True,
         )
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

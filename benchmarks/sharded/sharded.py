@@ -305,7 +305,3 @@ def write_report(meta: dict, rows: list[dict], results_md: Path) -> Path:
         out.append(f"| {r['model']} | {r['inner']} | {mb(r['replicated'])} | {mb(r[8])} | {mb(r[64])} | "
                    f"{mb(r[1024])} | {r['replicated'] / r[1024]:.0f}× |")
     return report.write_section(results_md, "sharded", "\n".join(out))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
