@@ -66,5 +66,4 @@ def main(argv=None):
     return 0
 
 
-
 sys.exit(main())

@@ -118,5 +118,4 @@ def main(argv=None):
     return 0
 
 
-
 sys.exit(main())

@@ -586,5 +586,3 @@ def estimator_section(tasks, results, scales, seeds, variants):
             iterations_saved_table(tasks, results, scales, v_seeds, method),
         ]
     return "\n".join(out)
-
-
