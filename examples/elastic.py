@@ -45,6 +45,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_adascale  # noqa: E402
 
+import datasets  # noqa: E402
+
 AXIS = "data"
 PHASES = ((0.25, 2), (0.5, 4), (1.0, 8))  # (τ at the end of the phase, as a fraction of T; replicas)
 SIZES = (40, 128, 128, 10)
@@ -59,16 +61,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", help="default: a temporary directory")
     parser.add_argument("--smoke", action="store_true", help="tiny run for CI")
     return parser.parse_args()
-
-
-def load_data(num_samples: int) -> dict[str, np.ndarray]:
-    """MNIST-1D, generated locally from its templates (no download)."""
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    data_args = get_dataset_args()
-    data_args.num_samples = num_samples
-    data = make_dataset(data_args)
-    return {k: data[k].astype(np.int32 if k.startswith("y") else np.float32) for k in ("x", "y", "x_test", "y_test")}
 
 
 def init_params(key: jax.Array) -> list[dict[str, jax.Array]]:
@@ -165,7 +157,7 @@ def main() -> None:
     else:
         num_samples = 5000
     T, k, B = args.base_steps, args.accumulation_steps, args.batch_size
-    data = load_data(num_samples)
+    data = datasets.mnist1d(num_samples)
     schedule = optax.piecewise_constant_schedule(args.lr, {T // 2: 0.1, 3 * T // 4: 0.1})
     print(f"AdaScale, elastic: MNIST-1D MLP, T = {T} base steps of {B} examples, {k} call(s) per update")
 

@@ -64,6 +64,8 @@ import optax
 import optax_adascale
 from optax_adascale import goodput
 
+import datasets
+
 AXIS = "data"
 SIZES = (40, 128, 128, 10)  # MLP widths
 
@@ -81,16 +83,6 @@ SMOKE = Config(num_samples=5_000, budget=2_000, every=10, candidates=(2, 4, 8, 1
 
 
 # --------------------------------------------------------------------------- data, model, schedule
-
-
-def load_mnist1d(num_samples: int) -> dict[str, np.ndarray]:
-    """MNIST-1D generated locally with the dataset's default arguments (seed 42); no download."""
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    args = get_dataset_args()
-    args.num_samples = num_samples
-    data = make_dataset(args)
-    return {k: data[k].astype(np.int32 if k.startswith("y") else np.float32) for k in ("x", "y", "x_test", "y_test")}
 
 
 def init_params(key: jax.Array) -> list[dict[str, jax.Array]]:
@@ -283,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if candidates[0] < 2:
         parser.error("candidates must be >= 2: at S = 1 AdaScale estimates no gradient noise, so S could never grow")
 
-    data = load_mnist1d(cfg.num_samples)
+    data = datasets.mnist1d(cfg.num_samples)
     tx = make_tx(args.lr, cfg.budget)
     device = jax.devices()[0]
     print(

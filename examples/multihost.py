@@ -46,6 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 
+import datasets
+
 AXIS = "data"
 
 
@@ -76,21 +78,6 @@ def initialize(args: argparse.Namespace) -> None:
         )
     else:
         jax.distributed.initialize()  # TPU pods, SLURM, Open MPI: everything from the environment
-
-
-def load_data(num_samples: int) -> dict[str, np.ndarray]:
-    """MNIST-1D, generated locally (deterministic: every process builds the same set)."""
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    data_args = get_dataset_args()
-    data_args.num_samples = num_samples
-    data = make_dataset(data_args)
-    return {
-        "x": data["x"].astype(np.float32),
-        "y": data["y"].astype(np.int32),
-        "x_test": data["x_test"].astype(np.float32),
-        "y_test": data["y_test"].astype(np.int32),
-    }
 
 
 def init_params(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
@@ -126,7 +113,7 @@ def main() -> None:
     log = print if pid == 0 else (lambda *a, **k: None)
     log(f"{nproc} process(es), {jax.device_count()} devices ({jax.local_device_count()} local): S = {scale}")
 
-    data = load_data(num_samples)
+    data = datasets.mnist1d(num_samples)
     # Each process samples its batches from its own shard of the training set.
     x_local, y_local = data["x"][pid::nproc], data["y"][pid::nproc]
     rng = np.random.default_rng(1 + pid)

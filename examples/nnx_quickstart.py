@@ -36,19 +36,11 @@ from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 
+import datasets
+
 BASE_BATCH = 32
 REPLICAS = 8
 AXIS = "data"
-
-
-def load_mnist1d(num_samples: int) -> dict[str, np.ndarray]:
-    """MNIST-1D generated locally (80/20 train/test split); no download."""
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    args = get_dataset_args()
-    args.num_samples = num_samples
-    data = make_dataset(args)
-    return {k: data[k].astype(np.float32 if k.startswith("x") else np.int32) for k in ("x", "y", "x_test", "y_test")}
 
 
 def make_model(seed: int):
@@ -156,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     budget = args.budget or (100 if args.smoke else 3000)
 
     jax.config.update("jax_num_cpu_devices", REPLICAS)  # CPU backend only; before JAX first runs
-    data = load_mnist1d(2_000 if args.smoke else 10_000)
+    data = datasets.mnist1d(2_000 if args.smoke else 10_000)
     print(f"MNIST-1D: {len(data['x'])} train / {len(data['x_test'])} test; NNX MLP 40-128-128-10; T = {budget}")
 
     rows = [train(data, mode, budget, args.lr, args.seed) for mode in ("S=1", "microbatch", "shard_map")]

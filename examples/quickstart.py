@@ -31,27 +31,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from mnist1d.data import get_dataset_args, make_dataset
 from tqdm import tqdm
 
 import optax_adascale
 
+import datasets
+
 BASE_BATCH = 32  # examples per replica per iteration: the batch the schedule is written for
 AXIS = "replica"  # the data-parallel axis name
 HIDDEN = (256, 256)
-
-
-def load_mnist1d(num_samples: int) -> dict[str, np.ndarray]:
-    """MNIST-1D generated locally (80/20 train/test split, 40 features, 10 classes); no download."""
-    args = get_dataset_args()
-    args.num_samples = num_samples
-    data = make_dataset(args)
-    return {
-        "x": data["x"].astype(np.float32),
-        "y": data["y"].astype(np.int32),
-        "x_test": data["x_test"].astype(np.float32),
-        "y_test": data["y_test"].astype(np.int32),
-    }
 
 
 def batches(x: np.ndarray, y: np.ndarray, num_replicas: int, rng: np.random.Generator):
@@ -162,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     total_steps = args.steps or (300 if args.smoke else 8000)
 
-    data = load_mnist1d(2_000 if args.smoke else 10_000)
+    data = datasets.mnist1d(2_000 if args.smoke else 10_000)
     print(f"MNIST-1D: train {data['x'].shape}, test {data['x_test'].shape}")
     print(f"MLP {'-'.join(map(str, (data['x'].shape[1], *HIDDEN, 10)))}, AdaScale SGD momentum 0.9")
     print(f"Schedule for batch {BASE_BATCH}: lr {args.lr}, /10 at T/2 and 3T/4; budget T = {total_steps} base steps")

@@ -78,9 +78,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sysconfig
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -90,6 +88,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
+
+import datasets
 
 DATA, MODEL = "data", "model"  # mesh axes: data parallel (AdaScale's axis), tensor parallel
 MODEL_SHARDS = 2
@@ -120,13 +120,12 @@ SMOKE = Config(budget=40, lr=1.0, warmup=5, base_batch=8, seq_len=64, width=64, 
 # --------------------------------------------------------------------------- data
 
 
-def load_corpus(val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray, int, str]:
-    """The stdlib's top-level ``*.py`` files, sorted and concatenated as bytes; the last 5 % for validation."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(root.glob("*.py"))
-    data = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
+def load_corpus(val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray, dict]:
+    """``datasets.stdlib_source()`` as bytes: the first 95 % for training, the last 5 % for validation."""
+    text, info = datasets.stdlib_source()
+    data = np.frombuffer(text, dtype=np.uint8)
     split = int(len(data) * (1 - val_fraction))
-    return data[:split], data[split:], len(files), str(root)
+    return data[:split], data[split:], info
 
 
 def sample_windows(data: np.ndarray, count: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -368,9 +367,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         cfg = dataclasses.replace(cfg, budget=args.budget)
 
     devices = select_devices()
-    train_bytes, val_bytes, num_files, root = load_corpus()
+    train_bytes, val_bytes, corpus = load_corpus()
     print(
-        f"Corpus: {num_files} files from {root}: {len(train_bytes):,} train / {len(val_bytes):,} validation bytes. "
+        f"Corpus: {corpus['files']} files {corpus['corpus']}: {len(train_bytes):,} train / "
+        f"{len(val_bytes):,} validation bytes. "
         f"Byte transformer: {cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, context {cfg.seq_len}. "
         f"SGD momentum 0.9{f', clip {cfg.clip}' if cfg.clip else ''}, warm-up {cfg.warmup} + cosine, peak lr {cfg.lr}, "
         f"written for batch {cfg.base_batch} sequences; "

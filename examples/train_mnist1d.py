@@ -63,6 +63,8 @@ from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 
+import datasets
+
 BASE_BATCH = 32  # examples per micro-batch: the batch the schedule was written for
 REPLICAS = 8  # data-parallel replicas (devices)
 AXIS = "data"
@@ -83,21 +85,6 @@ SMOKE = Config(num_samples=2_000, budget=150, lr=0.05, width=8, evals=5)
 
 
 # --------------------------------------------------------------------------- data, model, schedule
-
-
-def load_mnist1d(num_samples: int) -> dict[str, np.ndarray]:
-    """MNIST-1D generated locally with the dataset's default arguments (seed 42); no download."""
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    args = get_dataset_args()
-    args.num_samples = num_samples
-    data = make_dataset(args)
-    return {
-        "x": data["x"].astype(np.float32),
-        "y": data["y"].astype(np.int32),
-        "x_test": data["x_test"].astype(np.float32),
-        "y_test": data["y_test"].astype(np.int32),
-    }
 
 
 class CNN(nn.Module):
@@ -404,7 +391,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     devices, args.mesh = select_devices(args.mesh)
     if args.mesh != "vmap" and len(devices) < REPLICAS:
         parser.error(f"--mesh {args.mesh} needs {REPLICAS} devices; this machine has {len(devices)}: use --mesh vmap")
-    data = load_mnist1d(cfg.num_samples)
+    data = datasets.mnist1d(cfg.num_samples)
     print(
         f"MNIST-1D (generated locally): {len(data['x'])} train / {len(data['x_test'])} test. "
         f"CNN width {cfg.width}, SGD momentum 0.9, lr {cfg.lr}·0.01^(t/T) written for batch {BASE_BATCH}, "

@@ -2,11 +2,13 @@
 
 Not public API. The parser understands just enough of XLA's text format to
 tell which computations run unconditionally (reachable from ``ENTRY`` without
-entering a ``conditional`` branch) and to count collectives and host callbacks.
+entering a ``conditional`` branch), to count collectives and host callbacks, and
+to size what the entry computation's instructions read and write.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -96,8 +98,38 @@ def count_large_copies(text: str, min_elements: int = 1024) -> int:
     return total
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``(dtype, dims)`` of every array in an HLO type (``"(f32[2,3]{1,0}, s32[])"`` → two arrays)."""
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(type_str)]
+
+
+def type_bytes(type_str: str) -> int:
+    """Bytes of all the arrays in an HLO type."""
+    return sum(_DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in arrays(type_str))
+
+
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start", "copy-done"}
+_WORKLESS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+_FREE = _WORKLESS | {"copy-start", "copy-done"}
+
+
+def _entry_instructions(text: str) -> list[tuple[str, str, str, list[str], str]]:
+    """``(name, result type, op, operand names, line)`` of every instruction of the entry computation."""
+    comps, entry = _split(text)
+    out = []
+    for line in comps.get(entry, []):
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, result, op, rest = m.groups()
+        operands = re.findall(r"%([\w.\-]+)", rest.split("),", 1)[0] if ")," in rest else rest)
+        out.append((name, result, op, operands, line))
+    return out
 
 
 def passes_over(text: str, shape: str) -> dict[str, int]:
@@ -107,20 +139,11 @@ def passes_over(text: str, shape: str) -> dict[str, int]:
     parameters, tuples or bitcasts), how many of its operands have that shape (``reads``) and
     how many of its results do (``writes``). Collectives count once per tuple element.
     """
-    comps, entry = _split(text)
-    types: dict[str, str] = {}
-    parsed = []
-    for line in comps.get(entry, []):
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, result, op, rest = m.groups()
-        types[name] = result
-        operands = re.findall(r"%([\w.\-]+)", rest.split("),", 1)[0] if ")," in rest else rest)
-        parsed.append((name, result, op, operands))
+    parsed = _entry_instructions(text)
+    types = {name: result for name, result, *_ in parsed}
     target = shape.replace(" ", "")
     reads = writes = 0
-    for _name, result, op, operands in parsed:
+    for _name, result, op, operands, _line in parsed:
         if op in _FREE:
             continue
         writes += len(re.findall(re.escape(target) + r"(?:\{|\b)", result.replace(" ", "")))
@@ -130,14 +153,36 @@ def passes_over(text: str, shape: str) -> dict[str, int]:
     return {"reads": reads, "writes": writes}
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+def instruction_bytes(text: str, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """What each instruction of the entry computation that does work reads and writes, in bytes.
+
+    Skips parameters, tuples, ``get-tuple-element``, bitcasts, constants and the ops in ``skip``
+    (e.g. ``("while",)`` to leave out a loop's body). One dict per instruction: ``name``, ``op``,
+    ``kind`` (a fusion's kind, else ``""``), ``result`` (its type), ``op_name`` (the JAX
+    source path from the metadata, with ``jax.named_scope`` scopes; ``""`` if none),
+    ``bytes_read`` (the sizes of its operands), ``bytes_written`` (of its result) and ``bytes``.
+    """
+    parsed = _entry_instructions(text)
+    types = {name: result for name, result, *_ in parsed}
+    rows = []
+    for name, result, op, operands, line in parsed:
+        if op in _WORKLESS or op in skip:
+            continue
+        read = sum(type_bytes(types.get(o, "")) for o in operands)
+        written = type_bytes(result)
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        kind = re.search(r"kind=(\w+)", line)
+        rows.append(
+            dict(name=name, op=op, kind=kind.group(1) if kind else "", result=result,
+                 op_name=op_name.group(1) if op_name else "", bytes_read=read, bytes_written=written,
+                 bytes=read + written)
+        )
+    return rows
+
+
 _COLLECTIVE_LINE = re.compile(
     r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\("
 )
-_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
-
-
 def collective_bytes(text: str, min_elements: int = 64) -> dict[str, int]:
     """Bytes moved by collectives, split into gradient-sized and scalar-sized traffic.
 
@@ -152,12 +197,7 @@ def collective_bytes(text: str, min_elements: int = 64) -> dict[str, int]:
         if not m:
             continue
         result, op = m.groups()
-        sizes = []
-        for dtype, dims in _ARRAY.findall(result):
-            count = 1
-            for d in filter(None, dims.split(",")):
-                count *= int(d)
-            sizes.append((count, count * _DTYPE_BYTES[dtype]))
+        sizes = [(math.prod(dims), _DTYPE_BYTES[dtype] * math.prod(dims)) for dtype, dims in arrays(result)]
         big = [b for c, b in sizes if c >= min_elements]
         large += sum(big)
         small += sum(b for c, b in sizes if c < min_elements)

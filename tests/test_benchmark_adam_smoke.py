@@ -1,4 +1,5 @@
-"""The Adam benchmark's smoke mode runs end to end and writes its report section and plots."""
+"""The Adam study's smoke mode (``python -m benchmarks.adam --smoke``) runs end to end and writes its report
+section and plots."""
 
 import os
 import subprocess
@@ -6,16 +7,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "adam.py"
 PLOTS = ("adam_curves.png", "adam_gain.png", "adam_lr.png")
 METHODS = ("AS-a", "AS-b", "AS-c", "AS-c'", "sqrt", "LSW")
 
 
 def test_adam_benchmark_smoke_writes_report_and_plots(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
-    results = tmp_path / "RESULTS.md"
+    results = tmp_path / "README.md"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--cache", str(tmp_path / "cache"), "--results", str(results)],
+        [sys.executable, "-m", "benchmarks.adam", "--smoke", "--cache", str(tmp_path / "cache"),
+         "--results", str(results)],
         cwd=ROOT,
         env=env,
         capture_output=True,

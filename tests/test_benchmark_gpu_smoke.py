@@ -1,4 +1,4 @@
-"""The accelerator suite (benchmarks/gpu.py) runs end to end on a CPU in smoke mode and reports.
+"""The accelerator suite (``python -m benchmarks.gpu``) runs end to end on a CPU in smoke mode and reports.
 
 A reduced run: every JAX case, only its baseline and the exact AdaScale variant, two rounds, no
 torch/FairScale peer. No timing is asserted: only that every ratio is a finite positive number and
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu.py"
+STUDY = [sys.executable, "-m", "benchmarks.gpu"]
 JAX_CASES = ("update", "lm", "lm_vmap", "cnn")
 
 
@@ -31,7 +31,7 @@ def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--no-peer", "--variants", "adascale", "--rounds", "2",
+        [*STUDY, "--smoke", "--no-peer", "--variants", "adascale", "--rounds", "2",
          "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
@@ -66,11 +66,12 @@ def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
     assert {"adascale/scale_updates", "adascale/reduce"} <= set(programs["adascale"]["bytes_by_scope"])
     assert programs["sgd"]["total_bytes"] < programs["adascale"]["total_bytes"] < 2 * programs["sgd"]["total_bytes"]
 
-    results = tmp_path / "RESULTS.md"
-    subprocess.run([sys.executable, str(SCRIPT), "--report", str(out), "--results", str(results)],
+    results = tmp_path / "README.md"
+    subprocess.run([*STUDY, "--report", str(out), "--results", str(results)],
                    cwd=ROOT, check=True, timeout=120)
     text = results.read_text()
     assert "<!-- gpu:start -->" in text and "<!-- gpu:end -->" in text
     assert meta["device"] in text
     assert "CPU smoke numbers" in text and "no GPU was available" in text
     assert "Bandwidth model" in text and "FairScale" in text and "Top costs" in text
+    assert "`python -m benchmarks.gpu --smoke --no-peer" in text  # the command, as a user types it

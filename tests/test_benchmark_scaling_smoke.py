@@ -1,4 +1,5 @@
-"""The scaling benchmark's smoke mode runs end to end and writes its report and plots."""
+"""The scaling study's smoke mode (``python -m benchmarks.scaling --smoke``) runs end to end and writes its
+report and plots."""
 
 import os
 import subprocess
@@ -6,14 +7,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "scaling.py"
 PLOTS = ("scaling_curves.png", "scaling_lr.png", "scaling_gain.png", "scaling_elastic.png", "scaling_tracking.png")
 
 
 def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.scaling", "--smoke", "--out", str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -22,7 +22,7 @@ def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
-    report = (tmp_path / "RESULTS.md").read_text()
+    report = (tmp_path / "README.md").read_text()
     for method in ("AS", "LSW+", "LSW"):
         assert f"| {method} val. accuracy (%) |" in report
     for heading in (
@@ -40,4 +40,5 @@ def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
         path = tmp_path / "plots" / name
         assert path.stat().st_size > 0, name
         assert f"plots/{name}" in report
+    assert "Command: `python -m benchmarks.scaling --smoke --out " in report
     assert not (tmp_path / ".cache").exists()  # smoke mode caches nothing

@@ -1,7 +1,7 @@
 """The accelerator suite: what AdaScale costs per step on one GPU, against SGD run side by side.
 
 Six cases, each a function; one JSON file with every result (``--out``) and a "gpu" section of
-``benchmarks/RESULTS.md`` made from it (``--report``):
+``benchmarks/gpu/README.md`` made from it (``--report``):
 
   update    update only: flat f32 parameters (67M and 268M, leaves of 4096 x 4096), momentum 0.9,
             donated buffers, a fixed gradient with precomputed ``MicrobatchStats(k=8)`` (no axis).
@@ -41,11 +41,14 @@ over ``--rounds`` rounds; absolute milliseconds are recorded too, the ratios are
 The torch peer runs first, before JAX initialises the GPU, so that JAX's preallocation leaves it
 room; its memory is released before the JAX cases start.
 
-    python benchmarks/gpu.py --out benchmarks/gpu_h100.json      # the suite (estimated 4-6 min on an H100)
-    python benchmarks/gpu.py --smoke --out /tmp/gpu_smoke.json   # tiny shapes on a CPU: about a minute
-    python benchmarks/gpu.py --smoke --no-peer --variants adascale --rounds 2   # the test's subset
-    python benchmarks/gpu.py --profile /tmp/trace --cases lm profile   # + a jax.profiler trace
-    python benchmarks/gpu.py --report benchmarks/gpu_h100.json         # -> RESULTS.md "gpu" section
+    python -m benchmarks.gpu --out benchmarks/gpu/gpu_h100.json      # the suite (estimated 4-6 min on an H100)
+    python -m benchmarks.gpu --smoke --out /tmp/gpu_smoke.json   # tiny shapes on a CPU: about a minute
+    python -m benchmarks.gpu --smoke --no-peer --variants adascale --rounds 2   # the test's subset
+    python -m benchmarks.gpu --profile /tmp/trace --cases lm profile   # + a jax.profiler trace
+    python -m benchmarks.gpu --report benchmarks/gpu/gpu_h100.json         # -> README.md "gpu" section
+
+Files: ``gpu.py`` (this: timing, the cases, the command line), ``models.py`` (the LM and the CNN in JAX,
+the LM in torch), ``results.py`` (the README section from the JSON file).
 
 torch and fairscale are optional (not package dependencies): ``pip install torch`` and then
 ``pip install --no-build-isolation fairscale==0.4.13`` (its sdist needs the installed torch).
@@ -60,9 +63,7 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -70,6 +71,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.gpu.models import TorchGPT, cnn_init, lm_init, make_cnn_loss, make_lm_loss
+from benchmarks.gpu.results import _p, write_report
+from benchmarks.harness import report
+from benchmarks.harness.timing import fmt_ratio as _r  # "median (min–max)"
+from benchmarks.harness.timing import ratios
 
 CASES = ("update", "lm", "lm_vmap", "cnn", "peer", "profile")
 AXIS = "data"
@@ -115,16 +122,11 @@ def time_alternating(runners: dict[str, Callable[[int], None]], base: str, round
             t0 = time.perf_counter()
             run(steps)
             times[name].append((time.perf_counter() - t0) / steps)
-    b = np.array(times[base])
-    ratios = {}
-    for name, t in times.items():
-        r = np.array(t) / b
-        ratios[name] = {"median": float(np.median(r)), "min": float(np.min(r)), "max": float(np.max(r))}
     return {
         "baseline": base,
         "rounds": rounds,
         "steps_per_block": steps,
-        "ratios": ratios,
+        "ratios": ratios(times, base),
         "median_ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
         "min_ms": {name: 1e3 * min(t) for name, t in times.items()},
     }
@@ -263,64 +265,6 @@ def _update_row(jax, jnp, optax, optax_adascale, args, leaf, n_leaves) -> dict:
 
 
 # --------------------------------------------------------------------------- case 2: the LM
-
-
-def lm_init(jax, jnp, cfg: dict, seed: int = 0) -> dict:
-    d, L, V, T = cfg["d_model"], cfg["layers"], cfg["vocab"], cfg["seq"]
-    rng = np.random.default_rng(seed)  # numpy: no per-shape compilation of jax.random ops
-    normal = lambda shape, std: rng.standard_normal(shape, np.float32) * np.float32(std)  # noqa: E731
-    resid = 0.02 / math.sqrt(2 * L)
-    params = {
-        "wte": normal((V, d), 0.02),
-        "wpe": normal((T, d), 0.01),
-        "blocks": {
-            "ln1_g": jnp.ones((L, d)), "ln1_b": jnp.zeros((L, d)),
-            "w_qkv": normal((L, d, 3 * d), 0.02), "b_qkv": jnp.zeros((L, 3 * d)),
-            "w_o": normal((L, d, d), resid), "b_o": jnp.zeros((L, d)),
-            "ln2_g": jnp.ones((L, d)), "ln2_b": jnp.zeros((L, d)),
-            "w_fc": normal((L, d, 4 * d), 0.02), "b_fc": jnp.zeros((L, 4 * d)),
-            "w_proj": normal((L, 4 * d, d), resid), "b_proj": jnp.zeros((L, d)),
-        },
-        "ln_f_g": jnp.ones((d,)), "ln_f_b": jnp.zeros((d,)),
-    }
-    return jax.tree.map(jnp.asarray, params)
-
-
-def make_lm_loss(jax, jnp, cfg: dict, remat: bool) -> Callable:
-    """Mean next-token cross-entropy of a pre-LN GPT (tied embeddings), bf16 compute, f32 statistics."""
-    import optax
-
-    H = cfg["heads"]
-    bf16 = jnp.bfloat16
-
-    def layer_norm(x, g, b):
-        x32 = x.astype(jnp.float32)
-        mu = jnp.mean(x32, -1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mu), -1, keepdims=True)
-        return ((x32 - mu) * jax.lax.rsqrt(var + 1e-5) * g + b).astype(bf16)
-
-    def block(x, p):
-        B, T, D = x.shape
-        h = layer_norm(x, p["ln1_g"], p["ln1_b"])
-        q, k, v = jnp.split(h @ p["w_qkv"] + p["b_qkv"], 3, axis=-1)
-        q, k, v = (t.reshape(B, T, H, D // H) for t in (q, k, v))
-        att = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, D)
-        x = x + att @ p["w_o"] + p["b_o"]
-        h = layer_norm(x, p["ln2_g"], p["ln2_b"])
-        x = x + jax.nn.gelu(h @ p["w_fc"] + p["b_fc"]) @ p["w_proj"] + p["b_proj"]
-        return x, None
-
-    body = jax.checkpoint(block) if remat else block
-
-    def loss_fn(params, tokens, targets):
-        p = jax.tree.map(lambda a: a.astype(bf16), params)
-        x = p["wte"][tokens] + p["wpe"][: tokens.shape[-1]]
-        x, _ = jax.lax.scan(body, x, p["blocks"])
-        x = layer_norm(x, params["ln_f_g"], params["ln_f_b"])
-        logits = (x @ p["wte"].T).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-    return loss_fn
 
 
 def _count(jax, tree) -> int:
@@ -471,58 +415,6 @@ def _lm_cfg(args) -> dict:
 # --------------------------------------------------------------------------- case 3: the CNN
 
 
-def cnn_init(jax, jnp, cfg: dict, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-
-    def conv(k, cin, cout):
-        w = rng.standard_normal((k, k, cin, cout), np.float32) * np.float32(math.sqrt(2.0 / (k * k * cin)))
-        return {"w": jnp.asarray(w), "g": jnp.ones((cout,)), "b": jnp.zeros((cout,))}
-
-    widths = cfg["widths"]
-    params = {"stem": conv(3, 3, widths[0]), "stages": []}
-    cin = widths[0]
-    for i, w in enumerate(widths):
-        stage = []
-        for j in range(cfg["blocks"]):
-            blk = {"c1": conv(3, cin, w), "c2": conv(3, w, w)}
-            if j == 0 and (i > 0 or cin != w):
-                blk["sc"] = conv(1, cin, w)  # a projection shortcut: this block downsamples
-            stage.append(blk)
-            cin = w
-        params["stages"].append(stage)
-    head = rng.standard_normal((cin, cfg["classes"]), np.float32) / np.float32(math.sqrt(cin))
-    params["head"] = {"w": jnp.asarray(head), "b": jnp.zeros((cfg["classes"],))}
-    return params
-
-
-def make_cnn_loss(jax, jnp) -> Callable:
-    """ResNet-18-like (BasicBlocks), NHWC, bf16 convolutions, batch-statistics normalisation in f32."""
-    import optax
-
-    def conv_bn(x, p, stride, relu=True):
-        y = jax.lax.conv_general_dilated(x, p["w"].astype(jnp.bfloat16), (stride, stride), "SAME",
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        y32 = y.astype(jnp.float32)
-        mu = jnp.mean(y32, (0, 1, 2))
-        var = jnp.mean(jnp.square(y32 - mu), (0, 1, 2))
-        y32 = (y32 - mu) * jax.lax.rsqrt(var + 1e-5) * p["g"] + p["b"]
-        return (jax.nn.relu(y32) if relu else y32).astype(jnp.bfloat16)
-
-    def loss_fn(params, x, y):
-        h = conv_bn(x.astype(jnp.bfloat16), params["stem"], 1)
-        for stage in params["stages"]:
-            for blk in stage:
-                stride = 2 if "sc" in blk else 1
-                out = conv_bn(conv_bn(h, blk["c1"], stride), blk["c2"], 1, relu=False)
-                short = conv_bn(h, blk["sc"], stride, relu=False) if "sc" in blk else h
-                h = jax.nn.relu(out + short)
-        feat = jnp.mean(h.astype(jnp.float32), (1, 2))
-        logits = feat @ params["head"]["w"] + params["head"]["b"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    return loss_fn
-
-
 def case_cnn(jax, args) -> dict:
     import jax.numpy as jnp
 
@@ -607,93 +499,30 @@ def case_peer(args) -> dict:
     return out
 
 
-def TorchGPT(torch, cfg: dict):  # noqa: N802 - a class factory: torch is imported lazily
-    nn, F = torch.nn, torch.nn.functional
-    d, H, T = cfg["d_model"], cfg["heads"], cfg["seq"]
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            B, S, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-            q, k, v = (t.view(B, S, H, d // H).transpose(1, 2) for t in (q, k, v))
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, d)
-            x = x + self.o(att)
-            return x + self.proj(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.Embedding(cfg["vocab"], d)
-            self.wpe = nn.Parameter(torch.randn(T, d) * 0.01)
-            self.blocks = nn.ModuleList(Block() for _ in range(cfg["layers"]))
-            self.ln_f = nn.LayerNorm(d)
-            nn.init.normal_(self.wte.weight, std=0.02)
-
-        def forward(self, idx):
-            x = self.wte(idx) + self.wpe[: idx.shape[1]]
-            for blk in self.blocks:
-                x = blk(x)
-            return self.ln_f(x) @ self.wte.weight.T  # tied head
-
-    return GPT()
-
-
 # --------------------------------------------------------------------------- case 5: HLO top costs
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_ARRAY = re.compile(r"\b(pred|s8|u8|f16|bf16|s16|u16|f32|s32|u32|f64|s64|u64)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-          "f64": 8, "s64": 8, "u64": 8}
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
 SCOPES = ("adascale/reduce", "adascale/statistics", "adascale/learning_rate", "adascale/scale_updates",
           "adascale/state")
 
 
-def type_bytes(type_str: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(type_str):
-        total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
 def hlo_costs(text: str, skip: tuple[str, ...] = ()) -> list[dict]:
-    """Instructions of the entry computation that do work, with bytes read (operands) and written (result)."""
-    entry = text.split("\nENTRY", 1)[1].splitlines()[1:]
-    types: dict[str, str] = {}
+    """``_hlo.instruction_bytes`` of the entry computation, each tagged with the package scope it runs in."""
+    from optax_adascale import _hlo
+
     rows = []
-    for line in entry:
-        if line.strip() == "}":
-            break
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, result, op, rest = m.groups()
-        types[name] = result
-        if op in _FREE or op in skip:
-            continue
-        operands = re.findall(r"%([\w.\-]+)", rest.split("), ", 1)[0])
-        read = sum(type_bytes(types.get(o, "")) for o in operands)
-        op_name = re.search(r'op_name="([^"]*)"', line)
-        path = op_name.group(1) if op_name else ""
-        scope = next((s for s in SCOPES if s in path), "")
-        kind = re.search(r"kind=(\w+)", line)
-        rows.append({
-            "name": name, "op": op, "kind": kind.group(1) if kind else "", "result": _short_type(result),
-            "bytes_read": read, "bytes_written": type_bytes(result), "bytes": read + type_bytes(result),
-            "scope": scope or (f"other: {_short_path(path)}" if path else "other (no op_name)"),
-        })
+    for r in _hlo.instruction_bytes(text, skip):
+        scope = next((s for s in SCOPES if s in r["op_name"]), "")
+        path = r.pop("op_name")
+        rows.append({**r, "result": _short_type(r["result"]),
+                     "scope": scope or (f"other: {_short_path(path)}" if path else "other (no op_name)")})
     return rows
 
 
 def _short_type(t: str) -> str:
-    arrays = [f"{dt}[{dims}]" for dt, dims in _ARRAY.findall(t)]
+    from optax_adascale import _hlo
+
+    arrays = [f"{dt}[{','.join(map(str, dims))}]" for dt, dims in _hlo.arrays(t)]
     return arrays[0] if len(arrays) == 1 else f"({len(arrays)} arrays) " + ", ".join(arrays[:2]) + (
         ", ..." if len(arrays) > 2 else "")
 
@@ -753,7 +582,9 @@ def print_top_costs(prof: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few rounds (seconds on a CPU)")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--no-peer", action="store_true", help="skip the torch/FairScale case")
@@ -767,8 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=8, help="fusions listed in the top-costs table")
     parser.add_argument("--profile", type=Path, default=None, help="write a jax.profiler trace of the LM step here")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("gpu.json"))
-    parser.add_argument("--report", type=Path, help="write RESULTS.md's 'gpu' section from this JSON file")
-    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    parser.add_argument("--report", type=Path, help="write the results' 'gpu' section from this JSON file")
+    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("README.md"))
     args = parser.parse_args(argv)
     if args.report:
         print(f"wrote {write_report(args.report, args.results)}")
@@ -777,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     args.block_s = args.block_s or (0.01 if args.smoke else 0.2)
     if args.no_peer and "peer" in args.cases:
         args.cases.remove("peer")
-    command = "python benchmarks/gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = report.command_line("gpu", argv)
     results, errors, wall = {}, {}, {}
 
     def run(name, fn, *fn_args):
@@ -836,14 +667,6 @@ def _json_default(x):
     return str(x)
 
 
-def _p(n: int) -> str:
-    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
-
-
-def _r(r: dict) -> str:
-    return f"{r['median']:.3f} ({r['min']:.2f}–{r['max']:.2f})"
-
-
 def print_case(name: str, res: dict) -> None:
     if "error" in res or "skipped" in res:
         print(f"  {res.get('error') or res['skipped']}", flush=True)
@@ -860,133 +683,3 @@ def print_case(name: str, res: dict) -> None:
             gb = row["achieved_GBps"]
             print("    GB/s (5 words/param; copy 2 words/elem): "
                   + ", ".join(f"{v} {x:.1f}" for v, x in gb.items()), flush=True)
-
-
-# --------------------------------------------------------------------------- report
-
-
-def write_report(path: Path, results_md: Path) -> Path:
-    """The "gpu" section of RESULTS.md from one benchmark JSON file (the hand-written reading is kept)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import report
-
-    data = json.loads(path.read_text())
-    meta, cases = data["meta"], data["cases"]
-    out = ["## GPU", ""]
-    if meta["backend"] == "cpu":
-        out += [f"> **These are CPU smoke numbers** ({meta['device']}, tiny shapes): no GPU was available in the "
-                "session that made them. They show that every case runs end to end; they say nothing about "
-                "accelerator performance. Run `python benchmarks/gpu.py --out benchmarks/gpu_h100.json` on a GPU "
-                "and `--report` that file to replace this section.", ""]
-    out += [f"Device: **{meta['device']}**, JAX {meta['jax']}, host {meta['host']}, {meta['date']}; the run "
-            f"took {sum(meta['wall_s'].values()):.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in
-                                                         meta["wall_s"].items()) + ").", "",
-            "Commands:", "", f"- `{meta['command'].strip()}`", f"- `python benchmarks/gpu.py --report {path}` "
-            "(this section)", "",
-            "Each variant compiled once"
-            + (" (a case's variants concurrently, on this CPU)" if meta.get("concurrent_compile") else "")
-            + f" and warmed up; alternating blocks over "
-            f"{meta['rounds']} rounds; ratio = block time / baseline block time of the same round, median "
-            "(min–max). Absolute times are medians per step.", "", report.kept_reading(results_md, "gpu"), ""]
-    out += _update_table(cases.get("update"))
-    out += _micro_table("LM step: GPT-like decoder, 8 micro-batches in one step", cases.get("lm"),
-                        ("adascale", "delayed"), "sgd (scan, mean)")
-    out += _micro_table("LM step: 8 replicas as a vmap axis on one device", cases.get("lm_vmap"),
-                        ("floor", "adascale"), "sgd + pmean")
-    out += _micro_table("ResNet-18-like CNN step, 8 micro-batches", cases.get("cnn"), ("adascale", "delayed"), "sgd")
-    out += _peer_table(cases.get("peer"))
-    out += _profile_table(cases.get("profile"))
-    if meta.get("errors"):
-        out += ["", "Errors: " + "; ".join(f"{k}: {v}" for k, v in meta["errors"].items())]
-    return report.write_section(results_md, "gpu", "\n".join(out))
-
-
-def _missing(title: str, res: dict | None) -> list[str] | None:
-    if res is None:
-        return [f"### {title}", "", "_(not run)_", ""]
-    if "error" in res:
-        return [f"### {title}", "", f"_(failed: {res['error']})_", ""]
-    return None
-
-
-def _update_table(res):
-    title = "Update only: flat f32 parameters, momentum 0.9, donated, MicrobatchStats(k=8)"
-    if (m := _missing(title, res)) is not None:
-        return m
-    bm = res["bytes_model"]
-    out = [f"### {title}", "",
-           f"Bandwidth model: SGD moves {bm['sgd_words_per_param']} words per parameter ({bm['sgd_words']}); "
-           "every variant is charged those 5 words, so an extra pass shows as lower GB/s. The copy "
-           "(`x * 1.0` in place on a donated buffer of the same leaves, 1.0 given at run time, timed in the "
-           f"same rounds) moves {bm['copy_words_per_element']} words per element.", "",
-           "| params (leaves) | sgd ms | floor | **adascale** | delayed | copy ms | copy GB/s | sgd GB/s (% copy) "
-           "| adascale GB/s (% copy) | delayed GB/s (% copy) |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for row in res["rows"]:
-        r, gb, fr, ms = row["ratios"], row["achieved_GBps"], row["fraction_of_copy_bandwidth"], row["median_ms"]
-        bw = lambda v, gb=gb, fr=fr: f"{gb[v]:.1f} ({100 * fr[v]:.0f} %)" if v in gb else "–"  # noqa: E731
-        rr = lambda v, r=r: _r(r[v]) if v in r else "–"  # noqa: E731
-        out.append(f"| {_p(row['params'])} ({row['leaves']}) | {ms['sgd']:.3f} | {rr('floor')} | "
-                   f"**{rr('adascale')}** | {rr('delayed')} | {ms['copy']:.3f} | {gb['copy']:.1f} | "
-                   f"{bw('sgd')} | {bw('adascale')} | {bw('delayed')} |")
-    return out + [""]
-
-
-def _micro_table(title, res, variants, base_label):
-    if (m := _missing(title, res)) is not None:
-        return m
-    cfg = res["config"]
-    shape = ", ".join(f"{k} {v}" for k, v in cfg.items())
-    out = [f"### {title}", "", f"Config: {shape}; {_p(res['params'])} params"
-           + (f"; {res['tokens_per_step']} tokens per step" if "tokens_per_step" in res else "")
-           + (f"; {res['replicas']} replicas of {res['per_replica_batch']} sequences, {res['remat']}"
-              if "replicas" in res else "") + ".", "",
-           f"| {base_label} ms | " + " | ".join(f"{v}" for v in variants) + " | steps/block | compile s |",
-           "|---:|" + "---:|" * len(variants) + "---:|---|",
-           f"| {res['median_ms'][res['baseline']]:.2f} | "
-           + " | ".join(_r(res["ratios"][v]) if v in res["ratios"] else "–" for v in variants)
-           + f" | {res['steps_per_block']} | "
-           + ", ".join(f"{k} {v:.1f}" for k, v in res["compile_s"].items()) + " |", ""]
-    return out
-
-
-def _peer_table(res):
-    title = "FairScale peer: AdaScale(SGD) vs torch SGD, 8-step gradient accumulation"
-    if res is None or "skipped" in res:
-        reason = "not run" if res is None else res["skipped"]
-        return [f"### {title}", "", f"_(skipped: {reason})_", ""]
-    if (m := _missing(title, res)) is not None:
-        return m
-    r = res["ratios"]["adascale"]
-    return [f"### {title}", "",
-            f"torch {res['torch']}, fairscale {res['fairscale']}, on {res['device']}; the LM shape of the JAX case "
-            f"({_p(res['params'])} params, {res['tokens_per_step']} tokens per step, bf16 autocast). "
-            "FairScale reads ‖ḡ‖² on the host (`.item()` per parameter) after the 8th backward.", "",
-            "| torch SGD ms | FairScale AdaScale ms | **AdaScale / SGD** |", "|---:|---:|---:|",
-            f"| {res['median_ms']['sgd']:.1f} | {res['median_ms']['adascale']:.1f} | **{_r(r)}** |", ""]
-
-
-def _profile_table(res):
-    title = "Top costs of the AdaScale update in the compiled LM step"
-    if (m := _missing(title, res)) is not None:
-        return m
-    w = res["total_bytes_in_param_words"]
-    progs = res["programs"]
-    out = [f"### {title}", "",
-           "The LM step's entry computation without its micro-batch loop (the forward and backward passes): "
-           "the update, the final 1/k of the accumulated gradient, the accumulators' zeroing. Bytes per "
-           f"instruction = result + operand sizes read off the HLO text ({_p(res['params'])} params). "
-           f"Total bytes over 4 × params: **SGD {w['sgd']:.2f}, AdaScale {w['adascale']:.2f}** "
-           f"({progs['sgd']['instructions']} and {progs['adascale']['instructions']} instructions). "
-           "The per-micro-batch squared norms run inside the loop and are not counted here.", "",
-           "| MB | instruction | op | kind | result | scope |", "|---:|---|---|---|---|---|"]
-    for r in progs["adascale"]["top"]:
-        out.append(f"| {r['bytes'] / 1e6:.2f} | `{r['name']}` | {r['op']} | {r['kind']} | `{r['result']}` | "
-                   f"{r['scope']} |")
-    out += ["", "Bytes by scope (MB), AdaScale step: " + ", ".join(
-        f"{k} {v / 1e6:.2f}" for k, v in sorted(progs["adascale"]["bytes_by_scope"].items(), key=lambda kv: -kv[1]))]
-    return out + [""]
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

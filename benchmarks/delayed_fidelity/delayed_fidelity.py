@@ -5,16 +5,17 @@ two samples per update as two vmap replicas, ``SGD(lr=0.1)``; each scenario runs
 mode's gain of update t uses this step's sample; the delayed mode's uses the averages through update
 t − 1 (1 for the first update). The table reports both trajectories and the relative difference of the
 last gain (the number FairScale checks). The quality side of the comparison (the scaling benchmark's
-three tasks) is in RESULTS.md's scaling section, method ``AS-delayed``.
+three tasks) is in the scaling study's README.md, method ``AS-delayed``.
 
-    python benchmarks/delayed_fidelity.py     # prints the table and writes RESULTS.md's "delayed" section
+    python -m benchmarks.delayed_fidelity     # prints the table and writes the "delayed" section of README.md
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from benchmarks.harness import report
 
 SCENARIOS = [  # inputs of the two samples, per update (FairScale's golden_testing_data.py)
     [[[1.0, 0.0], [0.0, 1.0]]] * 2,
@@ -45,8 +46,12 @@ def gains(scenario, delayed: bool) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.delayed_fidelity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("README.md"))
     args = parser.parse_args(argv)
     rows = ["| scenario (sample inputs) | exact gains | delayed gains | last gain, delayed vs exact |",
             "|---|---|---|---:|"]
@@ -56,18 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"| {inputs} | {', '.join(f'{g:.6f}' for g in exact)} | "
                     f"{', '.join(f'{g:.6f}' for g in delayed)} | {100 * (delayed[-1] / exact[-1] - 1):+.1f} % |")
     print("\n".join(rows))
-    sys.path.insert(0, str(Path(__file__).parent))
-    import report
-
     body = ["## Delayed gain: fidelity", "",
-            "Command: `python benchmarks/delayed_fidelity.py`. FairScale's golden scenarios (two samples per update "
+            "Command: `python -m benchmarks.delayed_fidelity`. FairScale's golden scenarios (two samples per update "
             "as two vmap replicas, two updates each): the exact gain of each update against `delayed_gain=True`, "
             "whose first update uses gain 1 and whose second uses the exact mode's first gain. The quality side "
-            "(AS vs `AS-delayed` on the scaling benchmark's three tasks, 5 seeds) is in the scaling section's "
-            "estimator tables.", "", report.kept_reading(args.results, "delayed"), "", *rows]
+            "(AS vs `AS-delayed` on the scaling benchmark's three tasks, 5 seeds) is in the "
+            "[scaling study](../scaling/README.md)'s estimator tables.", "",
+            report.kept_reading(args.results, "delayed"), "", *rows]
     print(f"wrote {report.write_section(args.results, 'delayed', chr(10).join(body))}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,12 +1,12 @@
-"""The three tasks of ``benchmarks/scaling.py``: data, model, loss, evaluation, closed-form moments.
+"""The three tasks of the scaling study: data, model, loss, evaluation, closed-form moments.
 
 Everything a training run touches is a pure ``jax.numpy`` function, so a whole
 run compiles into one XLA program. Data sets are small enough to live on the
 device as constants; mini-batches are drawn with replacement (i.i.d. batches,
 as AdaScale's analysis assumes).
 
-* ``mnist1d``: MNIST-1D (Greydanus, 2020), generated offline with the package's
-  own generator (never its downloader), 8,000 training / 2,000 validation
+* ``mnist1d``: MNIST-1D (Greydanus, 2020), ``examples/datasets.py``'s ``mnist1d``
+  (generated locally, never downloaded), 8,000 training / 2,000 validation
   sequences of length 40; an MLP 40-128-128-10.
 * ``digits``: scikit-learn's bundled 8×8 digits, 1,437 / 360; an MLP 64-64-10.
 * ``regression``: streaming linear regression with Gaussian inputs, where the
@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from examples import datasets
 
 Array = jax.Array
 
@@ -165,27 +167,11 @@ def _classification_task(
     )
 
 
-def _mnist1d_arrays(num_samples: int, cache_dir: Path | None):
-    path = None if cache_dir is None else cache_dir / f"mnist1d_{num_samples}.npz"
-    if path is not None and path.exists():
-        with np.load(path) as data:
-            return data["x"], data["y"], data["x_test"], data["y_test"]
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    args = get_dataset_args()
-    args.num_samples = num_samples
-    data = make_dataset(args)  # generated locally; never mnist1d's downloader
-    arrays = tuple(np.asarray(data[k]) for k in ("x", "y", "x_test", "y_test"))
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, **dict(zip(("x", "y", "x_test", "y_test"), arrays, strict=True)))
-    return arrays
-
-
 def mnist1d_task(*, smoke: bool = False, cache_dir: Path | None = None) -> Task:
     """MNIST-1D, MLP 40-128-128-10, step decay, base batch 32."""
     num_samples = 1_000 if smoke else 10_000
-    x, y, x_val, y_val = _mnist1d_arrays(num_samples, cache_dir)
+    data = datasets.mnist1d(num_samples, cache_dir)
+    x, y, x_val, y_val = (data[k] for k in ("x", "y", "x_test", "y_test"))
     return _classification_task(
         "mnist1d",
         "MNIST-1D MLP",
@@ -203,21 +189,14 @@ def mnist1d_task(*, smoke: bool = False, cache_dir: Path | None = None) -> Task:
 
 def digits_task(*, smoke: bool = False) -> Task:
     """scikit-learn digits (8×8), MLP 64-64-10, step decay, base batch 16."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    y = data.target.astype(np.int32)
-    perm = np.random.default_rng(0).permutation(len(x))
-    n_val = len(x) // 5
-    val, train = perm[:n_val], perm[n_val:]
+    data = datasets.digits(val_fraction=0.2, seed=0)
     return _classification_task(
         "digits",
         "digits MLP",
-        x[train],
-        y[train],
-        x[val],
-        y[val],
+        data["x"],
+        data["y"],
+        data["x_test"],
+        data["y_test"],
         hidden=(16,) if smoke else (64,),
         batch_size=16,
         total_steps=64 if smoke else 1536,

@@ -1,17 +1,20 @@
-"""Sections of ``benchmarks/RESULTS.md``: each benchmark rewrites its own, keeping hand-written readings.
+"""A study's results section in its README.md: rewritten by the study, the hand-written reading kept.
 
 A section lives between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``; inside it, a reading lives
 between ``<!-- NAME-reading:start -->`` and ``<!-- NAME-reading:end -->`` and survives regeneration.
+Text outside the section (the README's introduction) is left alone.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 HEADER = """# Benchmark results
 
-Each program, its command and its numbers. Timings are ratios against a baseline run side by side in the
-same process; absolute times from this 2-core CPU are not headline figures.
+Timings are ratios against a baseline run side by side in the same process; absolute times from a
+shared CPU are not headline figures.
 """
 
 
@@ -41,3 +44,14 @@ def write_section(path: Path, name: str, body: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def relative(path: Path | str, results: Path) -> str:
+    """``path`` as a link relative to the folder of the results file."""
+    return os.path.relpath(path, Path(results).parent)
+
+
+def command_line(study: str, argv: list[str] | None) -> str:
+    """The command that ran ``study`` with ``argv`` (``sys.argv[1:]`` if ``None``), as a user types it."""
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["python -m", f"benchmarks.{study}", *args])

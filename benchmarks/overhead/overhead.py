@@ -19,9 +19,9 @@ until done; one round times every variant once, in order; a block's ratio is its
 ``sgd`` block of the same round. We report the median ratio with its min–max over the rounds.
 Every step donates params and optimizer state, as a training loop would.
 
-    python benchmarks/overhead.py --out benchmarks/overhead_2m.json --params 2e6
-    python benchmarks/overhead.py --smoke        # seconds (used by the tests)
-    python benchmarks/overhead.py --report benchmarks/overhead_*.json   # -> RESULTS.md "overhead" section
+    python -m benchmarks.overhead --out benchmarks/overhead/overhead_2m.json --params 2e6
+    python -m benchmarks.overhead --smoke        # seconds (used by the tests)
+    python -m benchmarks.overhead --report benchmarks/overhead/overhead_*.json   # -> README.md "overhead" section
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import plots, report, timing
+
 VARIANTS = ("sgd", "floor", "floor_b", "adascale", "multi4", "acc4", "delayed", "sgd_zero", "zero_floor", "zero")
 SHARD_MAP_ONLY = ("sgd_zero", "zero_floor", "zero")
 AXIS = "data"
+_ratio = timing.fmt_ratio
 
 
 def mlp_widths(params_target: int, depth: int = 3, d_in: int = 256, d_out: int = 10) -> list[int]:
@@ -54,7 +56,9 @@ def mlp_widths(params_target: int, depth: int = 3, d_in: int = 256, d_out: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, few rounds (seconds)")
     parser.add_argument("--devices", type=int, default=8, help="CPU devices to fake (ignored on accelerators)")
     parser.add_argument("--params", type=float, nargs="+", default=[2e6, 2e7], help="MLP sizes in parameters")
@@ -64,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=3, help="updates per timed block")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("overhead.json"))
-    parser.add_argument("--report", type=Path, nargs="+", help="write RESULTS.md's section from these JSON files")
-    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    parser.add_argument("--report", type=Path, nargs="+", help="write the results section from these JSON files")
+    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("README.md"))
     args = parser.parse_args(argv)
     if args.report:
         print(f"wrote {write_report(args.report, args.results)}")
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(row)
                 print_row(row)
     meta = {
-        "command": "python benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": report.command_line("overhead", argv),
         "jax": jax.__version__,
         "device": f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform})",
         "host": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -256,34 +260,20 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
             carry[name] = (params, state, xs, ys)
         # free nothing: every variant keeps its own donated buffers
 
-    base = np.array(times["sgd"])
     return {
         "mode": mode,
         "params": int(sum(a.size for a in jax.tree.leaves(params0))),
         "widths": widths,
         "per_device_batch": batch,
-        "ratios": {
-            name: {
-                "median": float(np.median(np.array(t) / base)),
-                "min": float(np.min(np.array(t) / base)),
-                "max": float(np.max(np.array(t) / base)),
-            }
-            for name, t in times.items()
-        },
+        "ratios": timing.ratios(times, "sgd"),
         "median_ms_per_update": {name: 1e3 * statistics.median(t) for name, t in times.items()},
         "compile_ratio": {name: compile_s[name] / compile_s["sgd"] for name in compile_s},
         "hlo": hlo,
     }
 
 
-def _ratio(r: dict) -> str:
-    return f"{r['median']:.3f} ({r['min']:.2f}–{r['max']:.2f})"
-
-
 def write_report(files: list[Path], results_md: Path) -> Path:
-    """The "overhead" section of RESULTS.md from benchmark JSON files (the reading is kept)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import report
+    """The "overhead" section of ``results_md`` (the study's README.md) from JSON files; the reading is kept."""
 
     runs = [json.loads(f.read_text()) for f in files]
     rows = [(run["meta"], row) for run in runs for row in run["results"]]
@@ -365,10 +355,7 @@ def write_report(files: list[Path], results_md: Path) -> Path:
 
 def plot_ratios(rows: list[dict], path: Path) -> Path:
     """Grouped bars: each variant's median ratio to SGD + pmean per cell, min–max whiskers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     variants = [v for v in ("floor", "floor_b", "adascale") if all(v in r["ratios"] for r in rows)]
     labels = [f"{r['mode']}\n{r['params'] / 1e6:.0f}M, b{r['per_device_batch']}" for r in rows]
@@ -385,10 +372,7 @@ def plot_ratios(rows: list[dict], path: Path) -> Path:
     ax.set_ylabel("step time / SGD + pmean")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return plots.save(fig, path, dpi=120)
 
 
 def print_row(row: dict) -> None:
@@ -405,7 +389,3 @@ def print_row(row: dict) -> None:
             f"compile x{row['compile_ratio'][name]:.2f}",
             flush=True,
         )
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,26 +14,29 @@ Layouts:
   ZeRO               shard_optimizer_state=8 on a 1-D data mesh, against SGD with the same sharded update
   FSDP (shard_map)   fsdp_gather + shard_optimizer_state=8, against SGD with the same gather/scatter
 
-    python benchmarks/sharded.py                # writes benchmarks/sharded.json and RESULTS.md's section
-    python benchmarks/sharded.py --smoke        # tiny widths (tests)
+    python -m benchmarks.sharded                # writes sharded.json and the section of README.md, here
+    python -m benchmarks.sharded --smoke        # tiny widths
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import report
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.sharded", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP (d_in = d_out = width)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("sharded.json"))
-    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    parser.add_argument("--results", type=Path, default=Path(__file__).with_name("README.md"))
     args = parser.parse_args(argv)
     if args.smoke:
         args.width = 64
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     jax.config.update("jax_num_cpu_devices", 8)
     rows = measure(jax, args.width)
-    meta = {"command": "python benchmarks/sharded.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": report.command_line("sharded", argv),
             "jax": jax.__version__, "width": args.width}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     for row in rows:
@@ -276,9 +279,6 @@ def _device_bytes(jax, state, n: int) -> int:
 
 
 def write_report(meta: dict, rows: list[dict], results_md: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).parent))
-    import report
-
     out = ["## Sharded models and state", "",
            f"Command: `{meta['command'].strip()}` (JAX {meta['jax']}, 8 virtual CPU devices; an MLP "
            f"{meta['width']}→{4 * meta['width']}→{meta['width']}). Facts of the compiled step, no timing: "
@@ -305,7 +305,3 @@ def write_report(meta: dict, rows: list[dict], results_md: Path) -> Path:
         out.append(f"| {r['model']} | {r['inner']} | {mb(r['replicated'])} | {mb(r[8])} | {mb(r[64])} | "
                    f"{mb(r[1024])} | {r['replicated'] / r[1024]:.0f}× |")
     return report.write_section(results_md, "sharded", "\n".join(out))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.gpu.gpu import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.overhead.overhead import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Collectives and memory under TP, FSDP, TP×FSDP and ZeRO (``python -m benchmarks.sharded``)."""

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.sharded.sharded import main
+
+sys.exit(main())
