@@ -5,7 +5,7 @@ for batch 32, trained until the scale-invariant clock ``τ`` reaches the budget 
 
 * ``S = 1``: batch 32, no axis; AdaScale is plain SGD with momentum on ``lr(t)``.
 * ``S = 8`` on one device: 8 micro-batches of 32 per step. No axis and no extra
-  state: ``optax_adascale.value_and_microbatch_grad`` returns the gradient and the
+  state: ``optax_adascale.value_and_grad`` returns the gradient and the
   micro-batch statistics, and ``optimizer.update(model, grads, microbatch_stats=stats)``
   passes them to AdaScale (``nnx.Optimizer.update`` forwards keywords to ``tx.update``).
 * ``S = 8`` as 8 ``jax.shard_map`` replicas of 32 (8 virtual CPU devices): the pure
@@ -86,7 +86,7 @@ def train(data, mode: str, budget: int, lr: float, seed: int) -> dict:
             idx = batch_indices(it).reshape(-1)
             graphdef, params, rest = nnx.split(model, nnx.Param, ...)
             loss_fn = lambda params, x, y: cross_entropy(nnx.merge(graphdef, params, rest), x, y)  # noqa: E731
-            grad_fn = optax_adascale.value_and_microbatch_grad(loss_fn, num_microbatches=replicas)
+            grad_fn = optax_adascale.value_and_grad(loss_fn, num_microbatches=replicas)
             _, grads, stats = grad_fn(params, x_train[idx], y_train[idx])
             optimizer.update(model, grads, microbatch_stats=stats)  # forwarded to tx.update
             return optax_adascale.metrics(optimizer.opt_state)

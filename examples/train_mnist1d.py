@@ -10,7 +10,7 @@ We train three times, each until AdaScale's scale-invariant clock ``τ`` reaches
 * ``S = 8``: 8 data-parallel replicas of batch 32 (256 per iteration).
 * ``S = 32``: 8 replicas × 4 micro-batches of 32 (1024 per iteration). Each replica
   computes its gradient over 4 micro-batches with
-  ``optax_adascale.value_and_microbatch_grad`` and passes the statistics on with
+  ``optax_adascale.value_and_grad`` and passes the statistics on with
   ``state.apply_gradients(grads=grads, microbatch_stats=stats)``.
 
 Each update multiplies the step by the gain ``r_t ∈ [1, S]`` and advances ``τ`` by
@@ -123,7 +123,7 @@ def make_replica_step(apply_fn: Callable, microbatches: int, axis_name: str | No
         logits = apply_fn({"params": params}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    micro_grad = optax_adascale.value_and_microbatch_grad(loss_fn, microbatches, unroll=True)
+    micro_grad = optax_adascale.value_and_grad(loss_fn, num_microbatches=microbatches, unroll=True)
 
     def replica_step(state, x, y):
         # Under shard_map, differentiate w.r.t. params marked varying over the axis, else

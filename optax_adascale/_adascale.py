@@ -194,7 +194,7 @@ def _local_sq_norms(grads: Any, microbatch_stats: MicrobatchStats | None,
         return [_collect.leaf_sq_norm(g) for g in leaves], 1
     if not isinstance(microbatch_stats, MicrobatchStats):
         raise TypeError(
-            "microbatch_stats must be the MicrobatchStats returned by value_and_microbatch_grad, "
+            "microbatch_stats must be the MicrobatchStats returned by value_and_grad, "
             f"got {type(microbatch_stats).__name__}"
         )
     try:
@@ -212,14 +212,14 @@ def _scale(collection: _Collection, n: int, replicas: int) -> Any:
         raise ValueError(
             f"AdaScale cannot estimate the gradient variance from n=1 sample per update with scale={S!r}. "
             "Average several samples per update: set axis_name to the data-parallel axis, "
-            "accumulation_steps > 1, or pass microbatch_stats from value_and_microbatch_grad; or use "
+            "accumulation_steps > 1, or pass microbatch_stats from value_and_grad; or use "
             "scale=None (S = n = 1 is the identity)."
         )
     if n == 1 and collection.axis_name is not None and replicas == 1:
         warnings.warn(
             f"axis_name={collection.axis_name!r} has a single replica here, so AdaScale sees n = 1 gradient "
             "sample per update and is the identity (gain 1, plain SGD on lr(t)). To train at a larger "
-            "scale on one device, split the batch into micro-batches (value_and_microbatch_grad + "
+            "scale on one device, split the batch into micro-batches (optax_adascale.value_and_grad(loss, num_microbatches=k) + "
             "update(..., microbatch_stats=...)) or set accumulation_steps.",
             stacklevel=4,
         )

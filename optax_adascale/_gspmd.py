@@ -41,6 +41,7 @@ def value_and_grad(
     num_microbatches: int = 1,
     has_aux: bool = False,
     mesh: Any = None,
+    unroll: int | bool = 1,
 ) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
     """Like ``jax.value_and_grad``, plus the statistics AdaScale needs: ``(value, grads, stats)``.
 
@@ -111,6 +112,9 @@ def value_and_grad(
       num_microbatches: ``k ≥ 1`` micro-batches per shard (per replica).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       mesh: the mesh, if not set by ``jax.set_mesh``.
+      unroll: passed to the micro-batch ``lax.scan``. ``True`` trades compile
+        time and memory for speed where loop bodies run slowly (XLA:CPU
+        convolutions).
 
     Returns:
       ``fn(params, *batch) -> (value, grads, stats)``.
@@ -132,7 +136,7 @@ def value_and_grad(
     _checks.check_static_int("num_microbatches", num_microbatches)
     _checks.check_bool("has_aux", has_aux)
     if data_axes is None:
-        per_replica = _microbatch.per_replica(loss_fn, num_microbatches, has_aux=has_aux)
+        per_replica = _microbatch.per_replica(loss_fn, num_microbatches, has_aux=has_aux, unroll=unroll)
 
         def replica_fn(params, *batch):
             _check_replica_axis_bound(mesh, (params, batch))
@@ -159,7 +163,7 @@ def value_and_grad(
             if k == 1:
                 value, aux, grads, sq = _probed(loss_fn, has_aux, spmd, params, split, n)
             else:
-                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n)
+                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n, unroll)
         except ValueError as err:
             if "spmd_axis_name" not in str(err):
                 raise
@@ -231,7 +235,7 @@ _spread.defvjp(_spread_fwd, _spread_bwd)
 # --------------------------------------------------------------------------- k > 1: scan within a shard
 
 
-def _scanned(loss_fn, has_aux, spmd, params, split, n):
+def _scanned(loss_fn, has_aux, spmd, params, split, n, unroll=1):
     """``k`` micro-batches per shard: local accumulation in a scan, one reduction after it."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
@@ -246,7 +250,7 @@ def _scanned(loss_fn, has_aux, spmd, params, split, n):
 
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params)
         sq0 = jax.tree.map(lambda p: jnp.zeros((), STAT_DTYPE), params)
-        (grad_sum, sq_sum), values = lax.scan(body, (grads0, sq0), micro)
+        (grad_sum, sq_sum), values = lax.scan(body, (grads0, sq0), micro, unroll=unroll)
         return grad_sum, sq_sum, values
 
     grad_sums, sq_sums, values = jax.vmap(shard, spmd_axis_name=spmd)(split)

@@ -7,7 +7,7 @@ What Flax users need, and what they do not:
 
 * Linen: :class:`TrainState` below. Flax's own ``TrainState.apply_gradients(grads=..., **kwargs)``
   treats every keyword as a field replacement, so ``microbatch_stats=`` (from
-  :func:`optax_adascale.value_and_microbatch_grad`) cannot reach ``tx.update``. Ours forwards
+  :func:`optax_adascale.value_and_grad`) cannot reach ``tx.update``. Ours forwards
   the keywords that are not fields to ``tx.update``.
 * Reading the state needs no wrapper: :func:`optax_adascale.metrics`,
   :func:`optax_adascale.scale_invariant_steps` and :func:`optax_adascale.get_adascale_state`
@@ -43,7 +43,7 @@ class TrainState(train_state.TrainState):
     such as ``batch_stats``) are replaced in the returned state, exactly as in
     Flax; every other keyword is passed to ``tx.update``. With an AdaScale
     ``tx`` that is ``microbatch_stats=`` from
-    :func:`optax_adascale.value_and_microbatch_grad`; other keywords reach
+    :func:`optax_adascale.value_and_grad`; other keywords reach
     ``inner`` (an ``optax.GradientTransformationExtraArgs``). Without extra
     keywords it behaves exactly like Flax's ``TrainState``.
 
@@ -63,7 +63,7 @@ class TrainState(train_state.TrainState):
       ... )
       >>> def loss_fn(params, x):
       ...     return jnp.mean(model.apply({"params": params}, x) ** 2)
-      >>> grad_fn = optax_adascale.value_and_microbatch_grad(loss_fn, num_microbatches=4)
+      >>> grad_fn = optax_adascale.value_and_grad(loss_fn, num_microbatches=4)
       >>> loss, grads, stats = grad_fn(state.params, x)
       >>> state = state.apply_gradients(grads=grads, microbatch_stats=stats)
       >>> state.step, optax_adascale.metrics(state)["scale"]

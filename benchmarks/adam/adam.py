@@ -107,8 +107,9 @@ def build_optimizer(task: Task, program: str, scale: int, use_sqrt=None):
     if program in ADASCALE:
         exponent, preconditioned = ADASCALE[program]
         inner = optax.chain(optax.scale_by_adam(**adam), optax.add_decayed_weights(task.weight_decay, task.decay_mask))
-        precondition = optax_adascale.adam_preconditioner(b2=task.b2, eps=task.eps) if preconditioned else None
-        tx = optax_adascale.adascale(inner, base, axis_name=AXIS, gain_exponent=exponent, precondition=precondition)
+        precondition = optax_adascale.experimental.adam_preconditioner(b2=task.b2, eps=task.eps) if preconditioned else None
+        tx = optax_adascale.experimental.adascale(inner, base, axis_name=AXIS, gain_exponent=exponent,
+                                                  precondition=precondition)
         return tx, None
     if program != "fixed":
         raise ValueError(f"unknown program={program!r}")

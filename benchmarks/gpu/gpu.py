@@ -16,7 +16,7 @@ Six cases, each a function; one JSON file with every result (``--out``) and a "g
             lower achieved bandwidth. The copy moves 2 words per element (read, write).
   lm        a GPT-like decoder (plain JAX, bf16 compute, f32 master weights; d_model 768, 12 layers,
             12 heads, seq 512, vocab 32000 by default); one step = 8 micro-batches of 16 x 512
-            tokens, ``value_and_microbatch_grad(loss, 8)`` + ``tx.update(..., microbatch_stats=)``.
+            tokens, ``value_and_grad(loss, num_microbatches=8)`` + ``tx.update(..., microbatch_stats=)``.
             sgd (the same lax.scan accumulation without the norms, SGD update), adascale, delayed.
   lm_vmap   the same LM and global tokens with 8 replicas as a ``jax.vmap(axis_name="data")`` axis
             on one device (16 x 512 tokens each, one gradient per replica, layers rematerialised):
@@ -301,7 +301,7 @@ def microbatch_steps(jax, loss_fn, unroll, names) -> tuple[dict, dict]:
     }
     txs = {name: tx for name, tx in all_txs.items() if name in names}
     sgd_grad = _scan_mean_grad(jax, jax.numpy, loss_fn, K_MICRO, unroll)
-    micro_grad = optax_adascale.value_and_microbatch_grad(loss_fn, K_MICRO, unroll=unroll)
+    micro_grad = optax_adascale.value_and_grad(loss_fn, num_microbatches=K_MICRO, unroll=unroll)
 
     def make_step(name, tx):
         def step(params, state, *xs):

@@ -142,7 +142,7 @@ def build_optimizer(task, method, scale, num_iterations, stretched=None):
         # options beyond FairScale's (horizon) are only on adascale().
         inner = optax.trace(decay=task.momentum)
         options = estimator_options(task, method)
-        return optax_adascale.adascale(inner, base, axis_name=AXIS, **options), None
+        return optax_adascale.experimental.adascale(inner, base, axis_name=AXIS, **options), None
     lsw = scaling_rules.linear_warmup(base, scale, task.total_steps)
     lsw_plus = scaling_rules.stretched_linear_warmup(base, scale, task.total_steps, num_iterations)
     if method == "LSW":

@@ -216,9 +216,9 @@ def measure(jax, width: int) -> list[dict]:
                 return full_loss(optax_adascale.fsdp_gather(r, probes, shapes, "data"), x[0], y[0])
 
             probes = optax_adascale.fsdp_probes(r, "data")
-            g, sq = jax.grad(loss_of, argnums=(0, 1))(r, probes)
+            g, stats = jax.grad(loss_of, argnums=(0, 1))(r, probes)
             if ours:
-                u, s = zero_tx.update(g, s, r, fsdp_sq_norms=sq)
+                u, s = zero_tx.update(g, s, r, microbatch_stats=stats)
             else:
                 u, s = sgd.update(jax.tree.map(lambda a: a / 8, g), s, r)
             return optax.apply_updates(r, u), s
