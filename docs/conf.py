@@ -42,7 +42,7 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 napoleon_use_ivar = True  # "Attributes:" as a field list: the members are documented once, by autodoc
-autodoc_typehints = "description"
+autodoc_typehints = "none"  # the docstrings say what each argument takes; expanded aliases (ScalarOrSchedule) read badly
 autodoc_member_order = "bysource"
 autodoc_default_options = {"show-inheritance": False}
 

@@ -78,3 +78,31 @@ def test_page_code_runs(page):
     if pending:
         pytest.skip(f"{page.name}: ran {ran} blocks; not on this branch yet (issue 16/17): {'; '.join(pending)}")
     assert ran > 0
+
+
+def _check_site():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_site", DOCS / "check_site.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_site_check_reports_a_missing_asset(tmp_path):
+    (tmp_path / "_static").mkdir()
+    (tmp_path / "_static" / "here.js").write_text("")
+    (tmp_path / "index.html").write_text(
+        '<a href="#top">x</a><a href="https://example.org/a.png">x</a><script src="_static/here.js"></script>'
+        '<img src="_images/gone.png"><a href="other.html#part">x</a>'
+    )
+    assert _check_site().missing_assets(tmp_path) == ["index.html -> _images/gone.png", "index.html -> other.html#part"]
+
+
+def test_site_check_reports_unrendered_formulas():
+    check = _check_site()
+    rendered = '<p><mjx-container class="MathJax">r</mjx-container></p><script>var s = "\\\\(";</script>'
+    assert check.unrendered_math(rendered, expected=1) == []
+    raw = '<p><span class="math notranslate nohighlight">\\(r_t\\)</span></p>'
+    problems = check.unrendered_math(raw, expected=1)
+    assert problems[0] == "0 formulas rendered of 1" and "raw '\\\\('" in problems[1]
