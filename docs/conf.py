@@ -42,7 +42,8 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 napoleon_use_ivar = True  # "Attributes:" as a field list: the members are documented once, by autodoc
-autodoc_typehints = "none"  # the docstrings say what each argument takes; expanded aliases (ScalarOrSchedule) read badly
+# The docstrings say what each argument takes; expanded aliases (ScalarOrSchedule) read badly.
+autodoc_typehints = "none"
 autodoc_member_order = "bysource"
 autodoc_default_options = {"show-inheritance": False}
 

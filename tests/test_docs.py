@@ -56,6 +56,7 @@ def test_every_opt_out_says_why():
                 assert re.match(r"# docs: not run \(.+\)", code), f"{page.name}: an opt-out must say why"
 
 
+@pytest.mark.slow  # 10-30 s a page: each compiles several jitted steps
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_page_code_runs(page):
     namespace: dict = {"__name__": f"docs_{page.stem}"}
