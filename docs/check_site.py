@@ -28,7 +28,12 @@ import urllib.parse
 DOCS = pathlib.Path(__file__).resolve().parent
 BUILD = DOCS / "_build" / "html"
 SHOTS = DOCS / "screenshots"
-PAGES = {"index": "index.html", "getting_started": "getting_started.html", "api": "api.html"}
+PAGES = {
+    "index": "index.html",
+    "getting_started": "getting_started.html",
+    "noise_scale": "noise_scale.html",  # display maths
+    "api": "api.html",
+}
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 FLAGS = (
     "--headless",
