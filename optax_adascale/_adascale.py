@@ -54,7 +54,7 @@ class AdaScaleState(NamedTuple):
         out in ``(n, m)`` rows, one per replica).
     """
 
-    count: Array
+    count: Array  # type: ignore[assignment]  # a field named like tuple.count, as in optax's states
     gain: Array
     tau_whole: Array
     tau_frac: Array

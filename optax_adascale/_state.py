@@ -51,7 +51,7 @@ def _from_mapping(x: Mapping) -> AdaScaleState | None:
     keys = {_RENAMED.get(k, k) for k in x.keys()}
     if not set(_REQUIRED) <= keys:
         return None
-    fields = {_RENAMED.get(k, k): v for k, v in x.items()}
+    fields: dict[str, Any] = {_RENAMED.get(k, k): v for k, v in x.items()}
     if "base_lr" not in fields and "effective_lr" in fields and "gain" in fields:
         fields["base_lr"] = _value(fields["effective_lr"]) / jnp.maximum(_value(fields["gain"]), 1.0)
     if "sqr_weight" not in fields and "ema_weight" in fields:
@@ -59,7 +59,7 @@ def _from_mapping(x: Mapping) -> AdaScaleState | None:
     for name in _ADDED:
         fields.setdefault(name, jnp.zeros([], jnp.float32 if name == "base_lr" else jnp.int32))
     fields.setdefault("group_gains", {})
-    return AdaScaleState(**{f: fields.get(f) for f in AdaScaleState._fields})
+    return AdaScaleState(**{f: fields.get(f) for f in AdaScaleState._fields})  # type: ignore[arg-type]
 
 
 def _search(node: Any, found: list[AdaScaleState]) -> None:
@@ -194,8 +194,8 @@ def metrics(opt_state: Any) -> dict[str, Any]:
 
 def _noise_scale(s: AdaScaleState) -> jax.Array:
     """``σ̄²/μ̄²`` in base batches; ``+inf`` where ``μ̄² = 0 < σ̄²``, 0 before the first update."""
-    var = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
-    sqr = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
+    var: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
+    sqr: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
     var, sqr = jnp.asarray(var, jnp.float32), jnp.maximum(jnp.asarray(sqr, jnp.float32), 0.0)
     return jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
 
@@ -263,7 +263,7 @@ def state_axes(opt_state: Any) -> Any:
     """
 
     def per_state(s: AdaScaleState) -> AdaScaleState:
-        fields = dict.fromkeys(AdaScaleState._fields)
+        fields: dict[str, Any] = dict.fromkeys(AdaScaleState._fields)
         for f in _PER_REPLICA_FIELDS:
             fields[f] = jax.tree.map(lambda _: 0, getattr(s, f))
         fields["inner_state"] = _zero.row_axes(s.inner_state)

@@ -40,7 +40,7 @@ class Shape(NamedTuple):
 class _Statistics(NamedTuple):
     """The moving averages after this step, and the gains this update applies."""
 
-    count: Array
+    count: Array  # type: ignore[assignment]  # a field named like tuple.count, as in optax's states
     weight: Array
     sqr_weight: Array
     grad_var: Array  # [G]

@@ -260,7 +260,7 @@ class StepTimeModel:
     def from_callable(cls, fn: Callable[[float], float], description: str | None = None) -> StepTimeModel:
         """Wrap ``S -> seconds`` (called once per scale, with a Python float)."""
         return cls(lambda s: np.vectorize(lambda x: float(fn(float(x))), otypes=[np.float64])(s),
-                   description or getattr(fn, "__name__", "user-supplied step-time function"))
+                   str(description or getattr(fn, "__name__", "user-supplied step-time function")))
 
 
 def _measurements(step_times: Mapping[float, float]) -> tuple[np.ndarray, np.ndarray]:

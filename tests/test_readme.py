@@ -3,6 +3,8 @@
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -31,25 +33,32 @@ def test_readme_usage_example_trains_until_the_budget(capsys):
     assert "gain" in capsys.readouterr().out
 
 
-def test_readme_one_device_block_scales_with_micro_batches():
+def test_readme_gspmd_block_takes_each_data_shard_as_a_sample():
+    import optax_adascale
+
+    if not hasattr(optax_adascale, "value_and_grad"):
+        pytest.skip("optax_adascale.value_and_grad (issue 17) is not on this branch yet")
     text = README.read_text()
     usage = text[text.index("## Usage") :]
     first, second = re.findall(r"```python\n(.*?)```", usage, re.S)[:2]
     namespace: dict = {}
-    exec(compile(first.split("mesh =")[0], str(README), "exec"), namespace)  # noqa: S102 - imports, loss_fn
-    namespace["schedule"] = namespace["optax"].exponential_decay(0.05, transition_steps=200, decay_rate=0.5)
+    exec(compile(first.split("tx =")[0], str(README), "exec"), namespace)  # noqa: S102 - imports, loss_fn, mesh
     exec(compile(second, str(README), "exec"), namespace)  # noqa: S102
+    import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    import optax_adascale
-
-    tx, step = namespace["tx"], namespace["one_device_step"]
+    mesh, tx, step = namespace["mesh"], namespace["tx"], namespace["gspmd_step"]
     params = {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
     opt_state, rng = tx.init(params), np.random.default_rng(0)
-    for _ in range(20):
-        x = rng.normal(size=(8 * 32, 4)).astype(np.float32)
-        params, opt_state = step(params, opt_state, x, x.sum(1, keepdims=True) + rng.normal(size=(len(x), 1)))
+    with jax.set_mesh(mesh):
+        for _ in range(20):
+            x = rng.normal(size=(32 * mesh.size, 4)).astype(np.float32)
+            y = x.sum(1, keepdims=True) + rng.normal(size=(len(x), 1)).astype(np.float32)
+            x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+            params, opt_state = step(params, opt_state, x, y)
     m = optax_adascale.metrics(opt_state)
-    assert float(m["scale"]) == 8.0
-    assert 1.0 < float(m["gain"]) <= 8.0
+    assert float(m["scale"]) == mesh.size
+    assert 1.0 < float(m["gain"]) <= mesh.size

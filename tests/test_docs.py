@@ -1,0 +1,109 @@
+"""The guides stay true: every ```python block of a docs page runs, in order, in one namespace per page.
+
+A block opts out only when it cannot run on CPU with 8 virtual devices (e.g. several processes): its first
+line is ``# docs: not run (<why>)``. Blocks assert what they show (``assert``/``np.testing``), so a page
+that runs is a page whose claims hold on this machine.
+"""
+
+import pathlib
+import re
+
+import pytest
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+OPT_OUT = "# docs: not run"
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+# This round's API (issues 16/17) as the pages document it, before it lands on this branch: while the package
+# has no `value_and_grad`, a block matching one of these is skipped (named in the skip message), and so is a
+# later block that needs its names. Once the API is here nothing is skipped. Delete this after the merge.
+PENDING = {
+    r"optax_adascale\.(value_and_grad|experimental|noise_scale_monitor|elementwise)\b": "the new public names",
+    r"from optax_adascale import experimental": "optax_adascale.experimental",
+    r"microbatch_stats=stats\)[\s\S]*fsdp_|fsdp_probes[\s\S]*microbatch_stats=": "FSDP statistics as microbatch_stats=",
+}
+
+
+def python_blocks(text: str) -> list[str]:
+    """The page's ```python blocks, in order (other fences, e.g. ```text or ```bash, are not code to run)."""
+    return BLOCK.findall(text)
+
+
+def _pages() -> list[pathlib.Path]:
+    return sorted(p for p in DOCS.glob("*.md") if python_blocks(p.read_text()))
+
+
+def _pending_name(code: str) -> str | None:
+    import optax_adascale
+
+    if hasattr(optax_adascale, "value_and_grad"):
+        return None
+    for pattern, what in PENDING.items():
+        if re.search(pattern, code):
+            return what
+    return None
+
+
+def test_extraction_finds_blocks_and_the_opt_out():
+    text = "x\n```python\na = 1\n```\n```bash\nls\n```\n```python\n# docs: not run (why)\nb\n```\n"
+    assert python_blocks(text) == ["a = 1\n", "# docs: not run (why)\nb\n"]
+
+
+def test_every_opt_out_says_why():
+    for page in _pages():
+        for code in python_blocks(page.read_text()):
+            if code.startswith(OPT_OUT):
+                assert re.match(r"# docs: not run \(.+\)", code), f"{page.name}: an opt-out must say why"
+
+
+@pytest.mark.slow  # 10-30 s a page: each compiles several jitted steps
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
+def test_page_code_runs(page):
+    namespace: dict = {"__name__": f"docs_{page.stem}"}
+    ran, pending = 0, []
+    for i, code in enumerate(python_blocks(page.read_text())):
+        if code.startswith(OPT_OUT):
+            continue
+        name = _pending_name(code)
+        if name:
+            pending.append(f"block {i + 1} needs {name}")
+            continue
+        try:
+            exec(compile(code, f"{page}:block{i + 1}", "exec"), namespace)  # noqa: S102 - our own documentation
+        except NameError:
+            if not pending:
+                raise
+            pending.append(f"block {i + 1} uses a name from a skipped block")
+            continue
+        ran += 1
+    if pending:
+        pytest.skip(f"{page.name}: ran {ran} blocks; not on this branch yet (issue 16/17): {'; '.join(pending)}")
+    assert ran > 0
+
+
+def _check_site():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_site", DOCS / "check_site.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_site_check_reports_a_missing_asset(tmp_path):
+    (tmp_path / "_static").mkdir()
+    (tmp_path / "_static" / "here.js").write_text("")
+    (tmp_path / "index.html").write_text(
+        '<a href="#top">x</a><a href="https://example.org/a.png">x</a><script src="_static/here.js"></script>'
+        '<img src="_images/gone.png"><a href="other.html#part">x</a>'
+    )
+    assert _check_site().missing_assets(tmp_path) == ["index.html -> _images/gone.png", "index.html -> other.html#part"]
+
+
+def test_site_check_reports_unrendered_formulas():
+    check = _check_site()
+    rendered = '<p><mjx-container class="MathJax">r</mjx-container></p><script>var s = "\\\\(";</script>'
+    assert check.unrendered_math(rendered, expected=1) == []
+    raw = '<p><span class="math notranslate nohighlight">\\(r_t\\)</span></p>'
+    problems = check.unrendered_math(raw, expected=1)
+    assert problems[0] == "0 formulas rendered of 1" and "raw '\\\\('" in problems[1]
