@@ -184,7 +184,8 @@ def noise_scale(opt_state: Any) -> jax.Array:
     signal: the *critical batch size*. Well below ``B_noise`` a larger batch
     buys an almost proportional speed-up (gain ≈ S); well above it, little
     (gain ≈ ``1 + B_noise``). It grows over training as ``μ̄²`` shrinks.
-    ``+inf`` where ``μ̄² = 0 < σ̄²`` (pure noise), 0 before the first update.
+    ``+inf`` where ``μ̄² = 0 < σ̄²`` (pure noise), 0 before the first update,
+    NaN where the averages are not finite.
 
     Examples:
       >>> import jax.numpy as jnp, optax_adascale
@@ -195,7 +196,8 @@ def noise_scale(opt_state: Any) -> jax.Array:
     var = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
     sqr = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
     var, sqr = jnp.asarray(var, jnp.float32), jnp.maximum(jnp.asarray(sqr, jnp.float32), 0.0)
-    return jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
+    ratio = jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
+    return jnp.where(jnp.isfinite(var) & jnp.isfinite(sqr), ratio, jnp.nan)
 
 
 def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> bool:

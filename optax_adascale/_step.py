@@ -58,7 +58,9 @@ def _statistics(cfg, shape: Shape, a: Array, b: Array, state) -> _Statistics:
     grad_var = est.ema_update(old_var, var_t, alpha_var)
     grad_sqr = est.ema_update(old_sqr, sqr_t, alpha_sqr)
     floored = jnp.sum(a - b) <= 1e-5 * jnp.sum(a)
-    stats_finite = jnp.all(jnp.isfinite(jnp.stack([a, b, var_t, sqr_t])))
+    # The averages too: a state restored from a broken run (or 0/0 weights) must skip, not train on NaN.
+    stats_finite = jnp.all(jnp.isfinite(jnp.concatenate([a, b, var_t, sqr_t, grad_var, grad_sqr,
+                                                         jnp.stack([weight, sqr_weight])])))
     if cfg.delayed_gain:
         # The gain of the averages through the last update; this sample enters them
         # afterwards. The skip reads `a` alone (finite a ⇒ finite ḡ), so nothing
