@@ -417,8 +417,7 @@ def adascale(
     _checks.check_bool("delayed_gain", delayed_gain)
     _checks.check_bool("unbiased_sqr", unbiased_sqr)
     _checks.check_number("gain_exponent", gain_exponent, low=0.0, high=1.0)
-    for h in horizon if isinstance(horizon, tuple) else (horizon,):
-        _checks.check_number("horizon", h, low=0.0, low_open=True)
+    _checks.check_horizon(horizon)
     if precondition is not None and not callable(precondition):
         raise TypeError(f"precondition must be a function of inner's state, got precondition={precondition!r}")
     if precondition is not None and shard_optimizer_state is not None:

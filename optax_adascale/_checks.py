@@ -90,6 +90,20 @@ def check_learning_rate(learning_rate: Any) -> None:
     check_number("learning_rate", learning_rate, low=0.0)
 
 
+def check_horizon(horizon: Any) -> None:
+    """``None``, a positive number, or a pair ``(H_σ², H_μ²)`` of positive numbers."""
+    if isinstance(horizon, tuple):
+        if len(horizon) != 2 or any(h is None for h in horizon):
+            raise ValueError(
+                "horizon must be a positive number or a pair (H_var, H_sqr) of positive numbers, "
+                f"got horizon={horizon!r}"
+            )
+        for h in horizon:
+            check_number("horizon", h, low=0.0, low_open=True)
+        return
+    check_number("horizon", horizon, low=0.0, low_open=True)
+
+
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {name}={value!r}")

@@ -72,3 +72,12 @@ def test_non_finite_moving_averages_skip_the_update():
     updates, new_state = vmap_update(tx, jnp.eye(2, 3), state, PARAMS)
     np.testing.assert_array_equal(np.asarray(updates), 0.0)
     assert int(new_state.skipped_steps) == 1 and int(new_state.count) == 0
+
+
+# --------------------------------------------------------------------------- bug 5: horizon's shape
+
+
+@pytest.mark.parametrize("horizon", [(2.0, None), (1, 2, 3), (2.0,), ()], ids=["none_inside", "triple", "single", "empty"])
+def test_a_horizon_tuple_that_is_not_a_pair_of_numbers_is_rejected_at_construction(horizon):
+    with pytest.raises((ValueError, TypeError), match=r"horizon.*got horizon="):
+        optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=horizon)
