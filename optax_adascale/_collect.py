@@ -294,13 +294,22 @@ def model_axes(
         unchecked = [a for a in others if not vma_checked(a)]
         if unchecked:
             raise ValueError(
-                f"the mesh has manual axes {unchecked} besides the data axes {sorted(data)}, and here "
-                "(shard_map with check_vma=False, or pmap) JAX records no varying types, so AdaScale "
-                "cannot tell which parameters are split over them. Pass param_specs= (the params' "
-                "PartitionSpecs, as given to shard_map's in_specs), or use check_vma=True."
+                f"axis_name={axis_name!r}, but the manual axes {unchecked} bound here are not among the "
+                f"data axes {sorted(data)}, and here (jax.pmap, or shard_map with check_vma=False) JAX "
+                "records no varying types to tell what they are. If "
+                f"{unchecked} is your data-parallel axis (jax.pmap(..., axis_name=...), or the batch axis of "
+                f"shard_map), pass it to the optimizer: axis_name={_suggest_axis_name(data, unchecked)!r}. "
+                "If it is a model axis (tensor parallelism), pass param_specs= (the params' PartitionSpecs, "
+                "as given to shard_map's in_specs), or use check_vma=True."
             )
     axes = tuple(a for a in manual if any(a in s for s in split))
     return ModelAxes(axes, tuple(split))
+
+
+def _suggest_axis_name(data: frozenset[str], unchecked: list[str]) -> AxisName:
+    """The bound axes as an ``axis_name`` value: the unbound data names dropped, the unchecked ones added."""
+    names = [a for a in manual_axes() if a in data or a in unchecked]
+    return names[0] if len(names) == 1 else tuple(names)
 
 
 # --------------------------------------------------------------------------- squared norms

@@ -81,3 +81,15 @@ def test_non_finite_moving_averages_skip_the_update():
 def test_a_horizon_tuple_that_is_not_a_pair_of_numbers_is_rejected_at_construction(horizon):
     with pytest.raises((ValueError, TypeError), match=r"horizon.*got horizon="):
         optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=horizon)
+
+
+# --------------------------------------------------------------------------- bug 6: pmap without the right axis
+
+
+@pytest.mark.parametrize("axis_name", [None, "data"])
+def test_pmap_over_an_axis_the_optimizer_does_not_name_says_to_set_axis_name(axis_name):
+    tx = optax_adascale.adascale_sgd(0.1, axis_name=axis_name)
+    step = jax.pmap(lambda g, s: tx.update(g, s, PARAMS), axis_name="batch", in_axes=(0, None))
+    with pytest.raises(ValueError, match=r"axis_name=.*'batch'") as err:
+        step(jnp.ones((2, 3)), tx.init(PARAMS))
+    assert f"axis_name={axis_name!r}" in str(err.value)
