@@ -1,7 +1,6 @@
 """AdaScale as an optax gradient transformation: the state, the factories, and the update in named steps."""
 
 import dataclasses
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -139,6 +138,7 @@ def _init(cfg: _Config, inner: optax.GradientTransformationExtraArgs, params: An
 
 def _update(cfg, inner, grads, state, params, microbatch_stats, fsdp_sq_norms, extra_args):
     """Local statistics, then one AdaScale step (or an accumulation-only call)."""
+    _checks.check_opt_state(state, AdaScaleState._fields)
     _checks.check_grads(grads, params)
     if fsdp_sq_norms is not None:
         _checks.check_fsdp_update(cfg.shard_optimizer_state, cfg.accumulation_steps, microbatch_stats, params)
@@ -221,12 +221,11 @@ def _scale(cfg: _Config, n: int, replicas: int) -> Any:
             "scale=None (S = n = 1 is the identity)."
         )
     if n == 1 and cfg.axis_name is not None and replicas == 1:
-        warnings.warn(
+        _checks.warn(
             f"axis_name={cfg.axis_name!r} has a single replica here, so AdaScale sees n = 1 gradient "
             "sample per update and is the identity (gain 1, plain SGD on lr(t)). To train at a larger "
             "scale on one device, split the batch into micro-batches (value_and_microbatch_grad + "
-            "update(..., microbatch_stats=...)) or set accumulation_steps.",
-            stacklevel=4,
+            "update(..., microbatch_stats=...)) or set accumulation_steps."
         )
     return S
 

@@ -423,6 +423,13 @@ def _conform(source: Any, target: Any) -> Any:
     src = {key(p): v for p, v in jax.tree_util.tree_leaves_with_path(source)}
     tgt = jax.tree_util.tree_leaves_with_path(target)
     if sorted(src) != sorted(key(p) for p, _ in tgt):
+        differ = {k[0] for k in set(src) ^ {key(p) for p, _ in tgt} if k}
+        if differ & {"grad_var", "grad_sqr", "group_gains"}:
+            raise ValueError(
+                "opt_state and target have different parameter groups (param_labels): the moving averages "
+                "are kept per group, so they cannot be carried between a labelled and an unlabelled "
+                "configuration, or between different labels. Use the same param_labels in both."
+            )
         raise ValueError("the inner transformations of opt_state and target differ in structure")
 
     def place(value, like):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale import _collect, _groups
+from optax_adascale import _checks, _collect, _groups
 from optax_adascale import _estimator as est
 
 Array = jax.Array
@@ -100,7 +100,11 @@ def _learning_rates(cfg, stats: _Statistics, tau_whole: Array) -> tuple[Array, A
 
 def _run_inner(inner, mean_grads, inner_state, params, extra_args):
     """``inner`` on the averaged gradient; its new state keeps the old state's dtypes (stable types)."""
-    updates, new_state = inner.update(mean_grads, inner_state, params, **extra_args)
+    try:
+        updates, new_state = inner.update(mean_grads, inner_state, params, **extra_args)
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as err:
+        _checks.explain_inner_state_mismatch(inner, inner_state, mean_grads, err)
+        raise
     if jax.tree.structure(updates) != jax.tree.structure(mean_grads):
         raise ValueError(
             "inner must return updates with the structure of the gradients: got "
