@@ -21,7 +21,7 @@ from optax_adascale._state import (
     state_partition_specs,
     transfer_state,
 )
-from optax_adascale._zero import ShardedInnerState, clip_by_global_norm
+from optax_adascale._zero import ShardedInnerState, clip_by_global_norm, elementwise
 
 __version__ = "0.2.0.dev0"
 
@@ -35,6 +35,7 @@ __all__ = (
     "adascale_sgd",
     "clip_by_global_norm",
     "done",
+    "elementwise",
     "fsdp_gather",
     "fsdp_probes",
     "fsdp_shard",

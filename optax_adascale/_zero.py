@@ -17,7 +17,8 @@ Gradient traffic is one reduce-scatter plus one all-gather, the bytes of one
 all-reduce; the update and the read of ``ḡ`` that the gain needs shrink to
 ``1/n`` per device. ``inner`` must be elementwise (``trace``, ``scale_by_adam``,
 ``add_decayed_weights``) or shard-aware (:func:`clip_by_global_norm`); this is
-checked at ``init`` by running ``inner`` on a two-row stand-in.
+checked at ``init`` by running ``inner`` on a stand-in of the parameters, whole and
+in ``n`` rows, or declared with :func:`elementwise`.
 """
 
 import math
@@ -67,7 +68,7 @@ def from_rows(rows: Array, like: Any) -> Array:
 def init_inner(inner: optax.GradientTransformationExtraArgs, params: Any, n: int) -> ShardedInnerState:
     """``inner``'s state over the rows of ``params`` (full, replicated params; call outside shard_map)."""
     if jax.tree.leaves(params):
-        check_elementwise(inner, params)
+        check_elementwise(inner, params, n)
     rows = jax.tree.map(lambda p: to_rows(p, n), params)
     state = inner.init(rows)
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
@@ -81,54 +82,112 @@ def init_inner(inner: optax.GradientTransformationExtraArgs, params: Any, n: int
     return ShardedInnerState(state)
 
 
-def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any) -> None:
-    """Raise unless ``inner`` on two half-shards (a vmap axis) computes what it computes on the whole.
+class _Elementwise(optax.GradientTransformationExtraArgs):
+    """An ``inner`` the user declared elementwise (or shard-aware): :func:`elementwise`."""
+
+
+def elementwise(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Declare that ``inner`` computes on a shard of the parameters what it computes on the whole.
+
+    AdaScale runs ``inner`` on shards where the parameters are split: each
+    replica's ``1/n`` row with ``shard_optimizer_state=n`` (ZeRO), and the
+    model-axis pieces of tensor-parallel parameters. It checks that ``inner``
+    is elementwise by running it on a stand-in of the parameters, whole and in
+    shards, at gradient magnitudes from ``1e-3`` to ``1e12``. An ``inner`` that
+    cannot run on the stand-in (it needs extra arguments, such as
+    ``optax.scale_by_polyak``'s ``value``, or particular values) cannot be
+    judged and is refused; declare it with this function if it is elementwise
+    (``u_i`` depends on ``g_i``, ``p_i`` and its own state only) or shard-aware
+    (it reduces across leaves only through the ``adascale_sq_norm`` extra
+    argument, as :func:`clip_by_global_norm` does). A wrong declaration gives
+    wrong updates: nothing is checked.
+
+    Args:
+      inner: the transformation to declare.
+
+    Returns:
+      The same transformation (an ``optax.GradientTransformationExtraArgs``),
+      marked as elementwise.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_adascale
+      >>> inner = optax_adascale.elementwise(optax.trace(0.9))
+      >>> tx = optax_adascale.adascale(inner, 0.1, axis_name="data", shard_optimizer_state=2)
+      >>> tx.init(jnp.zeros(3)).inner_state.rows.trace.shape  # two rows of two
+      (2, 2)
+    """
+    inner = optax.with_extra_args_support(inner)
+    return _Elementwise(inner.init, inner.update)
+
+
+def is_declared_elementwise(inner: Any) -> bool:
+    return isinstance(inner, _Elementwise)
+
+
+# Stand-ins with the parameters' real shapes up to this many elements (masks computed from sizes are seen);
+# beyond it, two elements per dimension.
+_REAL_SHAPES_LIMIT = 1 << 22
+# Gradient magnitudes of the check: moderate ones show masks and decay; large ones reach any realistic clip
+# threshold (the stand-in's norm is at least 1e12 at the last; its squares stay far from float32's range).
+_GRAD_SCALES = (1e-3, 1.0, 1e3, 1e6, 1e9, 1e12)
+
+
+def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any, n: int = 2) -> None:
+    """Raise unless ``inner`` on ``n`` rows (a vmap axis) computes what it computes on the whole.
 
     Catches transformations that need the whole tensor (``optax.clip_by_global_norm``,
-    ``optax.scale_by_trust_ratio``) and masks computed from shapes (``p.ndim > 1``
-    sees flattened rows). An ``inner`` that cannot run on the stand-in is not judged.
+    ``optax.scale_by_trust_ratio``) and masks computed from shapes or sizes
+    (each row is a flattened ``1/n`` of the leaf), on a stand-in with the
+    params' real shapes (when under ``2²²`` elements) at gradient magnitudes
+    from ``1e-3`` to ``1e12``. An ``inner`` that cannot run on the stand-in is
+    refused unless declared with :func:`elementwise`.
     """
-    for grad_scale in (1.0, 1e4):  # moderate gradients show masks and decay; large ones, clipping
-        _check_elementwise_at(inner, params, grad_scale)
-
-
-def _check_elementwise_at(inner: optax.GradientTransformationExtraArgs, params: Any, grad_scale: float) -> None:
+    if is_declared_elementwise(inner):
+        return
     leaves, treedef = jax.tree.flatten(params)
-    full_shapes = [(2,) * jnp.ndim(p) for p in leaves]
+    real = sum(math.prod(jnp.shape(p)) for p in leaves) <= _REAL_SHAPES_LIMIT
+    shapes = [tuple(jnp.shape(p)) if real else (2,) * jnp.ndim(p) for p in leaves]
     dtypes = [jnp.promote_types(jnp.result_type(p), jnp.float32) for p in leaves]
+    pattern = lambda s, d, k: (1.0 + (jnp.arange(math.prod(s)) % k) / k).astype(d).reshape(s)  # noqa: E731
     try:
         with jax.ensure_compile_time_eval():
-            full_p = treedef.unflatten(
-                [0.5 + 0.25 * jnp.arange(math.prod(s), dtype=d).reshape(s) for s, d in zip(full_shapes, dtypes)]
-            )
-            full_g = treedef.unflatten(
-                [grad_scale * (1.0 + jnp.arange(math.prod(s), dtype=d).reshape(s)) for s, d in zip(full_shapes, dtypes)]
-            )
-            whole, _ = inner.update(full_g, inner.init(full_p), full_p)
-            rows_p = jax.tree.map(lambda x: to_rows(x, 2), full_p)
-            rows_g = jax.tree.map(lambda x: to_rows(x, 2), full_g)
-            state = inner.init(rows_p)
+            full_p = treedef.unflatten([0.5 * pattern(s, d, 5) for s, d in zip(shapes, dtypes)])
+            base_g = treedef.unflatten([pattern(s, d, 7) for s, d in zip(shapes, dtypes)])
+            whole_state = inner.init(full_p)
+            rows_p = jax.tree.map(lambda x: to_rows(x, n), full_p)
+            rows_state = inner.init(rows_p)
 
             def one_row(g, s, p):
                 u, _ = inner.update(g, s, p, adascale_sq_norm=_sq_norm_fn("zero_probe"))
                 return u
 
-            axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, state)
-            shards = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")(rows_g, state, rows_p)
-            expected = [np.asarray(jnp.ravel(to_rows(u, 2))) for u in jax.tree.leaves(whole)]
-            got = [np.asarray(jnp.ravel(u)) for u in jax.tree.leaves(shards)]
-    except Exception:  # noqa: BLE001 - an inner we cannot run on the stand-in is not judged
-        return
-    for e, g in zip(expected, got, strict=True):
-        if not np.allclose(e, g, rtol=1e-4, atol=1e-6):
-            raise ValueError(
-                "shard_optimizer_state: inner computes something different on a 1/n shard of the parameters "
-                "than on the whole, so the sharded update would be wrong. inner must be elementwise "
-                "(optax.trace, optax.scale_by_adam, optax.add_decayed_weights). Norm-based transformations "
-                "need the global norm: use optax_adascale.clip_by_global_norm instead of "
-                "optax.clip_by_global_norm; masks and labels must be given as trees, not computed from "
-                "shapes (each shard is a flattened row)."
-            )
+            axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, rows_state)
+            rows_update = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")
+            results = []
+            for scale in _GRAD_SCALES:
+                full_g = jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), base_g)
+                whole, _ = inner.update(full_g, whole_state, full_p)
+                shards = rows_update(jax.tree.map(lambda x: to_rows(x, n), full_g), rows_state, rows_p)
+                results.append(([np.asarray(jnp.ravel(to_rows(u, n))) for u in jax.tree.leaves(whole)],
+                                [np.asarray(jnp.ravel(u)) for u in jax.tree.leaves(shards)]))
+    except Exception as err:  # noqa: BLE001 - an inner we cannot run cannot be judged: refuse it
+        raise ValueError(
+            f"shard_optimizer_state={n}: AdaScale could not run inner on a stand-in of the parameters to check "
+            f"that it computes on a 1/n row what it computes on the whole ({type(err).__name__}: {err}). If "
+            "inner is elementwise (each entry of the update depends on the same entry of the gradient, the "
+            "parameters and its own state only) or shard-aware, declare it: optax_adascale.elementwise(inner)."
+        ) from err
+    for expected, got in results:
+        for e, g in zip(expected, got, strict=True):
+            if not np.allclose(e, g, rtol=1e-4, atol=1e-6 * max(1.0, float(np.max(np.abs(e), initial=0.0)))):
+                raise ValueError(
+                    "shard_optimizer_state: inner computes something different on a 1/n shard of the parameters "
+                    "than on the whole, so the sharded update would be wrong. inner must be elementwise "
+                    "(optax.trace, optax.scale_by_adam, optax.add_decayed_weights). Norm-based transformations "
+                    "need the global norm: use optax_adascale.clip_by_global_norm instead of "
+                    "optax.clip_by_global_norm; masks and labels must be given as trees, not computed from "
+                    "shapes or sizes (each shard is a flattened row)."
+                )
 
 
 # --------------------------------------------------------------------------- layout

@@ -156,3 +156,82 @@ def test_transfer_state_between_labelled_and_unlabelled_names_param_labels(label
     source, target = (labelled, plain) if labelled_source else (plain, labelled)
     with pytest.raises(ValueError, match=r"param_labels"):
         optax_adascale.transfer_state(source.init(params), target.init(params))
+
+
+# --------------------------------------------------------------------------- bug 2: ZeRO's check of inner
+
+ZERO_N = 8
+ZERO_PARAMS = {"w": jnp.full((8, 8), 0.5), "b": jnp.full((8,), 0.5)}  # 64 and 8 elements: rows of 8 and 1
+
+
+def zero_vs_replicated(inner_of, grads, **update_kwargs):
+    """Updates of ``adascale(inner_of(zero))`` with and without ``shard_optimizer_state`` (vmap replicas)."""
+    out = []
+    for zero in (True, False):
+        tx = optax_adascale.adascale(inner_of(zero), 0.1, axis_name="data",
+                                     shard_optimizer_state=ZERO_N if zero else None)
+        state = tx.init(ZERO_PARAMS)
+        axes = optax_adascale.state_axes(state)
+        step = jax.vmap(lambda g, s, p: tx.update(g, s, p, **update_kwargs), in_axes=(0, axes, None),
+                        out_axes=(None, axes), axis_name="data")
+        out.append(step(grads, state, ZERO_PARAMS)[0])
+    return out
+
+
+def zero_grads(scale):
+    rng = np.random.default_rng(2)
+    return jax.tree.map(lambda p: jnp.asarray(scale * (1 + rng.normal(size=(ZERO_N, *p.shape))), jnp.float32), ZERO_PARAMS)
+
+
+def test_zero_rejects_a_mask_computed_from_sizes_that_rows_change():
+    # `x.size > 16` is True for w (64 elements) but False for its ZeRO rows (8 elements): w's decay would vanish.
+    inner = optax.chain(optax.add_decayed_weights(1e-2, mask=lambda p: jax.tree.map(lambda x: x.size > 16, p)),
+                        optax.trace(0.9))
+    tx = optax_adascale.adascale(inner, 0.1, axis_name="data", shard_optimizer_state=ZERO_N)
+    with pytest.raises(ValueError, match=r"shard_optimizer_state.*masks and labels must be given as trees"):
+        tx.init(ZERO_PARAMS)
+
+
+def test_zero_rejects_optax_clip_by_global_norm_with_a_large_threshold():
+    # Clipping at 1e6 acts on gradients of norm ~3e6 (entries ~3e5): per-row norms would clip differently.
+    tx = optax_adascale.adascale(optax.clip_by_global_norm(1e6), 0.1, axis_name="data", shard_optimizer_state=ZERO_N)
+    with pytest.raises(ValueError, match=r"optax_adascale\.clip_by_global_norm"):
+        tx.init(ZERO_PARAMS)
+
+
+def test_zero_shard_aware_clip_with_a_large_threshold_equals_the_replicated_optax_clip():
+    grads = zero_grads(3e5)
+    sharded, replicated = zero_vs_replicated(
+        lambda zero: optax_adascale.clip_by_global_norm(1e6) if zero else optax.clip_by_global_norm(1e6), grads)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5), sharded, replicated)
+    assert float(optax.tree.norm(jax.tree.map(lambda g: g.mean(0), grads))) > 1e6  # the clip was active
+
+
+def test_zero_refuses_an_inner_it_cannot_run_naming_elementwise():
+    # scale_by_polyak needs the loss (`value=`) as an extra argument: the check cannot run it.
+    tx = optax_adascale.adascale(optax.scale_by_polyak(), 0.1, axis_name="data", shard_optimizer_state=ZERO_N)
+    with pytest.raises(ValueError, match=r"optax_adascale\.elementwise\(inner\)"):
+        tx.init(ZERO_PARAMS)
+
+
+def _scale_by_loss():
+    """An elementwise inner that needs an extra argument: the update is ``loss · g``."""
+
+    def update(updates, state, params=None, *, loss, **extra):
+        del params, extra
+        return jax.tree.map(lambda g: loss * g, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def test_an_inner_declared_elementwise_trains_under_zero_as_replicated():
+    sharded, replicated = zero_vs_replicated(
+        lambda zero: optax_adascale.elementwise(_scale_by_loss()) if zero else _scale_by_loss(), zero_grads(1.0),
+        loss=jnp.float32(3.0))
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-8), sharded, replicated)
+
+
+def test_elementwise_returns_a_gradient_transformation_with_extra_args():
+    tx = optax_adascale.elementwise(optax.trace(0.9))
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    np.testing.assert_array_equal(tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))[0], jnp.ones(2))
