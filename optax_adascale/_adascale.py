@@ -148,6 +148,9 @@ def _update(cfg, inner, grads, state, params, microbatch_stats, fsdp_sq_norms, e
     _collect.check_grads_follow_params(grads, params, cfg.axis_name)
     _collect.check_vmap_axis_not_explicit(grads, cfg.axis_name)
     model = _collect.model_axes(grads, params, cfg.axis_name, cfg.param_specs)
+    if model.axes and cfg.shard_optimizer_state is None:  # inner sees model shards: it must be shard-safe
+        _zero.check_model_split(inner, grads, model)
+        extra_args = dict(extra_args, adascale_sq_norm=_collect.sq_norm_fn(jax.tree.structure(grads), model))
     weights = _preconditioner(cfg, state.inner_state, grads, microbatch_stats)
     sq_leaves, k_micro = _local_sq_norms(grads, microbatch_stats, weights)
     local_sq = groups.sums(model.mask(sq_leaves))

@@ -254,6 +254,33 @@ class ModelAxes:
         return lax.psum(x, self.axes)
 
 
+def sq_norm_fn(treedef: Any, model: ModelAxes, data_axes: AxisName | None = None):
+    """The ``adascale_sq_norm`` extra argument handed to ``inner``: the whole ``‖x‖²`` of a tree of shards.
+
+    ``x`` is shaped like the gradients (``treedef``; a leaf may be a subtree
+    such as optax's ``MaskedNode``, counted as its leaves). Each leaf's local
+    ``Σ|x|²`` is masked as :meth:`ModelAxes.mask` does (a leaf replicated over a
+    model axis counts once) and summed over the model axes and ``data_axes``
+    (ZeRO's rows) in one scalar ``psum``.
+    """
+    names = axis_names(data_axes) + model.axes
+    zero = lambda: jnp.zeros([], STAT_DTYPE)  # noqa: E731
+
+    def sq_norm(tree: Any) -> Array:
+        try:
+            parts = treedef.flatten_up_to(tree)
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                "adascale_sq_norm (the global squared norm AdaScale hands to inner) needs a tree shaped like "
+                f"the gradients {treedef}, got {jax.tree.structure(tree)}"
+            ) from err
+        values = [sum((leaf_sq_norm(x) for x in jax.tree.leaves(part)), zero()) for part in parts]
+        local = sum(model.mask(values), zero())
+        return lax.psum(local, names) if names else local
+
+    return sq_norm
+
+
 def model_axes(
     grads: Any, params: Any, axis_name: AxisName | None, param_specs: Any = None
 ) -> ModelAxes:

@@ -21,6 +21,7 @@ checked at ``init`` by running ``inner`` on a stand-in of the parameters, whole 
 in ``n`` rows, or declared with :func:`elementwise`.
 """
 
+import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -187,6 +188,90 @@ def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any,
                     "need the global norm: use optax_adascale.clip_by_global_norm instead of "
                     "optax.clip_by_global_norm; masks and labels must be given as trees, not computed from "
                     "shapes or sizes (each shard is a flattened row)."
+                )
+
+
+@contextlib.contextmanager
+def _off_mesh():
+    """Leave the caller's shard_map (its mesh and varying-type checks): the probes' vmap axes are no mesh axes.
+
+    ``_check_vma`` is JAX's internal switch behind ``shard_map(check_vma=...)``;
+    feature-tested, so if it moves the probe runs under the caller's setting.
+    """
+    from jax._src import config as jax_config  # noqa: PLC0415 - internal, feature-tested
+
+    check_vma = getattr(jax_config, "_check_vma", None)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        if check_vma is None:
+            yield
+        else:
+            with check_vma(False):
+                yield
+
+
+def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any,
+                      model: _collect.ModelAxes) -> None:
+    """Raise unless ``inner`` computes on model-axis pieces of the split leaves what it computes on the whole.
+
+    Tensor parallelism hands ``inner`` each device's piece of a split leaf.
+    On a stand-in (two elements per dimension, split leaves cut in two along
+    their first dimension, a vmap axis standing for the model axes), ``inner``
+    runs whole and in pieces, with the ``adascale_sq_norm`` AdaScale gives it,
+    at gradient magnitudes from ``1e-3`` to ``1e12``. ``optax.clip_by_global_norm``
+    (each piece clipped by its own norm) fails this; :func:`clip_by_global_norm`
+    passes. An ``inner`` that cannot run on the stand-in is refused unless
+    declared with :func:`elementwise`.
+    """
+    if is_declared_elementwise(inner):
+        return
+    leaves, treedef = jax.tree.flatten(grads)
+    split = [bool(axes) and jnp.ndim(g) >= 1 for g, axes in zip(leaves, model.leaf_axes, strict=True)]
+    if not any(split):
+        return
+    probe = _collect.ModelAxes(("tp_probe",), tuple(frozenset({"tp_probe"}) if s else frozenset() for s in split))
+    shapes = [(2,) * jnp.ndim(g) for g in leaves]
+    dtypes = [jnp.promote_types(jnp.result_type(g), jnp.float32) for g in leaves]
+    pattern = lambda s, d, k: (1.0 + (jnp.arange(math.prod(s)) % k) / k).astype(d).reshape(s)  # noqa: E731
+    cut = lambda x, s: jnp.reshape(x, (2, 1, *x.shape[1:])) if s else x  # noqa: E731
+    in_axes = treedef.unflatten([0 if s else None for s in split])
+
+    def pieces(g, p):
+        u, _ = inner.update(g, inner.init(p), p, adascale_sq_norm=_collect.sq_norm_fn(treedef, probe))
+        return u
+
+    try:
+        with jax.ensure_compile_time_eval(), _off_mesh():
+            full_p = treedef.unflatten([0.5 * pattern(s, d, 5) for s, d in zip(shapes, dtypes)])
+            base_g = treedef.unflatten([pattern(s, d, 7) for s, d in zip(shapes, dtypes)])
+            cut_p = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_p), split)])
+            state = inner.init(full_p)
+            results = []
+            for scale in _GRAD_SCALES:
+                full_g = jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), base_g)
+                whole, _ = inner.update(full_g, state, full_p)
+                cut_g = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_g), split)])
+                got = jax.vmap(pieces, in_axes=(in_axes, in_axes), axis_name="tp_probe")(cut_g, cut_p)
+                results.append(([np.asarray(u) for u in jax.tree.leaves(whole)],
+                                [np.asarray(u) for u in jax.tree.leaves(got)]))
+    except Exception as err:  # noqa: BLE001 - an inner we cannot run cannot be judged: refuse it
+        raise ValueError(
+            f"parameters split over the model axes {list(model.axes)}: AdaScale could not run inner on a "
+            "stand-in of the parameters to check that it computes on a model shard what it computes on the "
+            f"whole ({type(err).__name__}: {err}). If inner is elementwise (each entry of the update depends "
+            "on the same entry of the gradient, the parameters and its own state only) or shard-aware, "
+            "declare it: optax_adascale.elementwise(inner)."
+        ) from err
+    for expected, got in results:
+        for e, g, s in zip(expected, got, split, strict=True):
+            g = np.reshape(g, e.shape) if s else g  # split: the pieces in order; replicated: a copy per piece
+            if not np.allclose(np.broadcast_to(e, g.shape), g, rtol=1e-4,
+                               atol=1e-6 * max(1.0, float(np.max(np.abs(e), initial=0.0)))):
+                raise ValueError(
+                    f"parameters split over the model axes {list(model.axes)}: inner computes something "
+                    "different on a model shard of a parameter than on the whole, so the update would be wrong. "
+                    "inner must be elementwise (optax.trace, optax.scale_by_adam, optax.add_decayed_weights) "
+                    "or shard-aware: use optax_adascale.clip_by_global_norm instead of "
+                    "optax.clip_by_global_norm (it clips by the norm summed over the shards)."
                 )
 
 

@@ -235,3 +235,81 @@ def test_elementwise_returns_a_gradient_transformation_with_extra_args():
     tx = optax_adascale.elementwise(optax.trace(0.9))
     assert isinstance(tx, optax.GradientTransformationExtraArgs)
     np.testing.assert_array_equal(tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))[0], jnp.ones(2))
+
+
+# --------------------------------------------------------------------------- bug 1: clipping with TP-split params
+
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+TP_MESH = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+TP = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
+
+
+def tp_params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"w1": jax.random.normal(k1, (8, 16)) * 0.5, "b1": jnp.zeros(16),
+            "w2": jax.random.normal(k2, (16, 4)) * 0.5, "b2": jnp.full(4, 0.1)}
+
+
+def tp_grads():
+    """Per-replica gradients ``(4, ...)`` of a small MLP, whole (the truth sees them unsplit)."""
+    def loss(p, x, y):
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], y).mean()
+
+    x = jax.random.normal(jax.random.key(1), (4, 4, 8))
+    y = jax.random.randint(jax.random.key(2), (4, 4), 0, 4)
+    return jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(tp_params(), x, y)
+
+
+def tp_update(inner, *, check_vma, param_specs=None):
+    """AdaScale alone under shard_map over (data, model), fed each shard's piece of the replica gradients."""
+    tx = optax_adascale.adascale(inner, 0.1, axis_name="data", param_specs=param_specs)
+    params = tp_params()
+    specs = optax_adascale.state_partition_specs(tx.init(params), "data", TP, tx=tx)
+    grad_specs = {k: P("data", *tuple(s)) for k, s in TP.items()}
+
+    def step(params, state, grads):
+        return tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+
+    f = jax.jit(jax.shard_map(step, mesh=TP_MESH, in_specs=(TP, specs, grad_specs), out_specs=(TP, specs),
+                              check_vma=check_vma))
+    return f(params, tx.init(params), tp_grads())
+
+
+def tp_reference(inner):
+    tx = optax_adascale.adascale(inner, 0.1, axis_name="data")
+    params = tp_params()
+    return jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="data")(
+        tp_grads(), tx.init(params), params)
+
+
+CLIP = 0.05
+VMA_CASES = {"check_vma": dict(check_vma=True), "param_specs": dict(check_vma=False, param_specs=TP)}
+
+
+@pytest.mark.parametrize("case", VMA_CASES)
+def test_shard_aware_clip_in_inner_clips_tensor_parallel_params_by_the_global_norm(case):
+    updates, state = tp_update(optax.chain(optax_adascale.clip_by_global_norm(CLIP), optax.trace(0.9)),
+                               **VMA_CASES[case])
+    ref_updates, ref_state = tp_reference(optax.chain(optax.clip_by_global_norm(CLIP), optax.trace(0.9)))
+    mean_norm = float(optax.tree.norm(jax.tree.map(lambda g: g.mean(0), tp_grads())))
+    assert mean_norm > 2 * CLIP  # the clip is active
+    assert float(state.gain) == pytest.approx(float(ref_state.gain), rel=1e-6)
+    for k in ref_updates:
+        np.testing.assert_allclose(updates[k], ref_updates[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("case", VMA_CASES)
+def test_optax_clip_in_inner_with_tensor_parallel_params_is_refused_naming_the_shard_aware_clip(case):
+    with pytest.raises(ValueError, match=r"optax_adascale\.clip_by_global_norm"):
+        tp_update(optax.chain(optax.clip_by_global_norm(CLIP), optax.trace(0.9)), **VMA_CASES[case])
+
+
+def test_an_elementwise_inner_with_tensor_parallel_params_is_not_refused():
+    inner = optax.chain(optax.add_decayed_weights(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+                        optax.trace(0.9))
+    updates, _ = tp_update(inner, check_vma=True)
+    ref_updates, _ = tp_reference(inner)
+    for k in ref_updates:
+        np.testing.assert_allclose(updates[k], ref_updates[k], rtol=1e-5, atol=1e-7, err_msg=k)
