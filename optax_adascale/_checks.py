@@ -25,7 +25,8 @@ def _is_library(filename: str) -> bool:
     filename = os.path.abspath(filename)
     for name in ("optax_adascale", "optax", "flax", "jax", "jaxlib"):
         module = sys.modules.get(name)
-        if getattr(module, "__file__", None) and filename.startswith(os.path.join(os.path.dirname(module.__file__), "")):
+        where = getattr(module, "__file__", None)
+        if where and filename.startswith(os.path.join(os.path.dirname(where), "")):
             return True
     stdlib = os.path.join(sysconfig.get_paths()["stdlib"], "")
     return filename.startswith(stdlib) and not any(d in filename for d in ("site-packages", "dist-packages"))

@@ -166,7 +166,7 @@ def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any,
             rows_update = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")
             results = []
             for scale in _GRAD_SCALES:
-                full_g = jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), base_g)
+                full_g = jax.tree.map(lambda g, c=scale: g * jnp.asarray(c, g.dtype), base_g)
                 whole, _ = inner.update(full_g, whole_state, full_p)
                 shards = rows_update(jax.tree.map(lambda x: to_rows(x, n), full_g), rows_state, rows_p)
                 results.append(([np.asarray(jnp.ravel(to_rows(u, n))) for u in jax.tree.leaves(whole)],
@@ -247,7 +247,7 @@ def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any,
             state = inner.init(full_p)
             results = []
             for scale in _GRAD_SCALES:
-                full_g = jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), base_g)
+                full_g = jax.tree.map(lambda g, c=scale: g * jnp.asarray(c, g.dtype), base_g)
                 whole, _ = inner.update(full_g, state, full_p)
                 cut_g = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_g), split)])
                 got = jax.vmap(pieces, in_axes=(in_axes, in_axes), axis_name="tp_probe")(cut_g, cut_p)

@@ -77,7 +77,8 @@ def test_non_finite_moving_averages_skip_the_update():
 # --------------------------------------------------------------------------- bug 5: horizon's shape
 
 
-@pytest.mark.parametrize("horizon", [(2.0, None), (1, 2, 3), (2.0,), ()], ids=["none_inside", "triple", "single", "empty"])
+@pytest.mark.parametrize("horizon", [(2.0, None), (1, 2, 3), (2.0,), ()],
+                         ids=["none_inside", "triple", "single", "empty"])
 def test_a_horizon_tuple_that_is_not_a_pair_of_numbers_is_rejected_at_construction(horizon):
     with pytest.raises((ValueError, TypeError), match=r"horizon.*got horizon="):
         optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=horizon)
@@ -172,7 +173,7 @@ def zero_vs_replicated(inner_of, grads, **update_kwargs):
                                      shard_optimizer_state=ZERO_N if zero else None)
         state = tx.init(ZERO_PARAMS)
         axes = optax_adascale.state_axes(state)
-        step = jax.vmap(lambda g, s, p: tx.update(g, s, p, **update_kwargs), in_axes=(0, axes, None),
+        step = jax.vmap(lambda g, s, p, tx=tx: tx.update(g, s, p, **update_kwargs), in_axes=(0, axes, None),
                         out_axes=(None, axes), axis_name="data")
         out.append(step(grads, state, ZERO_PARAMS)[0])
     return out
@@ -180,7 +181,8 @@ def zero_vs_replicated(inner_of, grads, **update_kwargs):
 
 def zero_grads(scale):
     rng = np.random.default_rng(2)
-    return jax.tree.map(lambda p: jnp.asarray(scale * (1 + rng.normal(size=(ZERO_N, *p.shape))), jnp.float32), ZERO_PARAMS)
+    return jax.tree.map(lambda p: jnp.asarray(scale * (1 + rng.normal(size=(ZERO_N, *p.shape))), jnp.float32),
+                        ZERO_PARAMS)
 
 
 def test_zero_rejects_a_mask_computed_from_sizes_that_rows_change():
