@@ -22,9 +22,9 @@ from optax_adascale._state import (
     state_partition_specs,
     transfer_state,
 )
-from optax_adascale._zero import ShardedInnerState, clip_by_global_norm
+from optax_adascale._zero import ShardedInnerState, clip_by_global_norm, elementwise
 
-__version__ = "0.2.0.dev0"
+__version__ = "0.2.0"
 
 __all__ = (
     "AdaScaleState",
@@ -36,6 +36,7 @@ __all__ = (
     "adascale_sgd",
     "clip_by_global_norm",
     "done",
+    "elementwise",
     "experimental",
     "fsdp_gather",
     "fsdp_probes",
@@ -54,5 +55,5 @@ __all__ = (
     "value_and_grad",
 )
 
-# Deprecated (warns; not in __all__): optax_adascale.value_and_grad(loss_fn, num_microbatches=k).
+# Deprecated (warns; not in __all__): value_and_microbatch_grad -> value_and_grad(loss_fn, num_microbatches=k).
 

@@ -1,7 +1,6 @@
 """AdaScale as an optax gradient transformation: the state, the factories, and the update in named steps."""
 
 import dataclasses
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -9,7 +8,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale import _checks, _collect, _groups, _step, _zero
+from optax_adascale import _checks, _collect, _groups, _reduce, _step
 from optax_adascale import _estimator as est
 from optax_adascale._microbatch import MicrobatchStats
 
@@ -130,6 +129,7 @@ def _init(collection: _Collection, reduction: Any, inner: optax.GradientTransfor
 def _update(collection: _Collection, update: _step.Update, reduction: Any, grads: Any, state: AdaScaleState,
             params: Any, microbatch_stats: MicrobatchStats | None, extra_args: dict[str, Any]):
     """Local statistics, then one AdaScale step (or an accumulation-only call)."""
+    _checks.check_opt_state(state, AdaScaleState._fields)
     _checks.check_grads(grads, params)
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
     axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
@@ -216,12 +216,11 @@ def _scale(collection: _Collection, n: int, replicas: int) -> Any:
             "scale=None (S = n = 1 is the identity)."
         )
     if n == 1 and collection.axis_name is not None and replicas == 1:
-        warnings.warn(
+        _checks.warn(
             f"axis_name={collection.axis_name!r} has a single replica here, so AdaScale sees n = 1 gradient "
             "sample per update and is the identity (gain 1, plain SGD on lr(t)). To train at a larger "
-            "scale on one device, split the batch into micro-batches (optax_adascale.value_and_grad(loss, num_microbatches=k) + "
-            "update(..., microbatch_stats=...)) or set accumulation_steps.",
-            stacklevel=4,
+            "scale on one device, split the batch into micro-batches (optax_adascale.value_and_grad(loss, "
+            "num_microbatches=k) + update(..., microbatch_stats=...)) or set accumulation_steps."
         )
     return S
 
@@ -435,7 +434,7 @@ def build(
     if precondition is not None and shard_optimizer_state is not None:
         raise ValueError("precondition is not supported with shard_optimizer_state")
     if shard_optimizer_state is None:
-        reduction = _step.AllReduce()
+        reduction = _reduce.AllReduce()
     else:
         _checks.check_static_int("shard_optimizer_state", shard_optimizer_state)
         if axis_name is None:
@@ -443,7 +442,7 @@ def build(
                 f"shard_optimizer_state={shard_optimizer_state!r} shards over the data axes, but axis_name=None; "
                 "pass the data-parallel axis_name."
             )
-        reduction = _zero.ZeroRows(shard_optimizer_state)
+        reduction = _reduce.ZeroRows(shard_optimizer_state)
     collection = _Collection(axis_name, accumulation_steps, scale, param_labels, param_specs, precondition)
     estimator = est.Estimator(eps=eps, smoothing=smoothing, horizon=horizons, averaging=averaging,
                               unbiased_sqr=unbiased_sqr, delayed_gain=delayed_gain, gain_exponent=gain_exponent)

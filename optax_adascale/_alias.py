@@ -140,7 +140,8 @@ def adascale_adamw(
     S = 4 and 16 (3 seeds) where square-root and linear-with-warm-up scaling
     of AdamW did not, and came ahead of AdaptDL's ``gain^½`` and of
     preconditioned statistics. Experimental: two small tasks; see the README's
-    "Adam" section. At S = 1 it is ``optax.adamw``.
+    "Adam" section. At S = 1 it is ``optax.adamw`` (bit for bit; with
+    ``nesterov=True`` to float32 rounding, ~2e-7 after 200 steps).
 
     Args:
       learning_rate: float or schedule of the base-batch step.

@@ -6,7 +6,9 @@ trace time of ``update`` (what the gradients are). Traced hyperparameters (under
 """
 
 import math
+import os
 import sys
+import sysconfig
 import warnings
 from typing import Any
 
@@ -14,6 +16,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+# --------------------------------------------------------------------------- warnings
+
+
+def _is_library(filename: str) -> bool:
+    """Whether a frame's file is this package, a library between it and the user, or the stdlib."""
+    filename = os.path.abspath(filename)
+    for name in ("optax_adascale", "optax", "flax", "jax", "jaxlib"):
+        module = sys.modules.get(name)
+        where = getattr(module, "__file__", None)
+        if where and filename.startswith(os.path.join(os.path.dirname(where), "")):
+            return True
+    stdlib = os.path.join(sysconfig.get_paths()["stdlib"], "")
+    return filename.startswith(stdlib) and not any(d in filename for d in ("site-packages", "dist-packages"))
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the user's line: the first frame outside this package and the
+    libraries between it and the user (optax chains, Flax's ``TrainState``, JAX's transformations)."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and _is_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
 
 # --------------------------------------------------------------------------- numbers
 
@@ -103,6 +129,9 @@ def check_learning_rate(learning_rate: Any) -> None:
     if concrete_float(learning_rate) is None and not _is_traced(learning_rate) and not hasattr(learning_rate, "dtype"):
         raise TypeError(f"learning_rate must be a number or a schedule, got learning_rate={learning_rate!r}")
     check_number("learning_rate", learning_rate, low=0.0)
+    if concrete_float(learning_rate) == 0.0:
+        warn("learning_rate=0: every update is zero, so the parameters never move while τ still "
+             "advances. Pass the base-batch learning rate (or a schedule).")
 
 
 def _injected_schedule(value: Any) -> str | None:
@@ -184,6 +213,29 @@ def check_horizon(horizon: Any) -> tuple[Any, Any] | None:
         except (TypeError, ValueError) as err:
             raise type(err)(f"{err} (horizon={horizon!r}: a positive number or a pair of them)") from None
     return tuple(pair)
+
+
+_MISMATCH = ("opt_state does not match this transformation: it was made by another one ({what}). Make it "
+             "with this transformation's init, or carry a state over to a new configuration with "
+             "optax_adascale.transfer_state(old_state, new_tx.init(params)).")
+
+
+def check_opt_state(state: Any, fields: tuple[str, ...]) -> None:
+    """Raise unless ``state`` is an AdaScale state (has ``fields``), e.g. not ``optax.sgd(...).init(params)``."""
+    if not all(hasattr(state, f) for f in fields):
+        raise ValueError(_MISMATCH.format(what=f"got a {type(state).__name__}, not an AdaScaleState"))
+
+
+def explain_inner_state_mismatch(inner: Any, inner_state: Any, grads: Any, err: Exception) -> None:
+    """After ``inner.update`` failed: raise our message if ``inner_state`` is not shaped like ``inner.init``'s."""
+    try:
+        expected = jax.eval_shape(inner.init, jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype), grads))
+    except Exception:  # noqa: BLE001 - cannot tell: the original error stands
+        return
+    if jax.tree.structure(expected) != jax.tree.structure(inner_state):
+        raise ValueError(_MISMATCH.format(
+            what=f"its inner state is {jax.tree.structure(inner_state)}, this inner's is "
+                 f"{jax.tree.structure(expected)}")) from err
 
 
 # --------------------------------------------------------------------------- what inner is

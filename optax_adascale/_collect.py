@@ -254,6 +254,33 @@ class ModelAxes:
         return lax.psum(x, self.axes)
 
 
+def sq_norm_fn(treedef: Any, model: ModelAxes, data_axes: AxisName | None = None):
+    """The ``adascale_sq_norm`` extra argument handed to ``inner``: the whole ``‖x‖²`` of a tree of shards.
+
+    ``x`` is shaped like the gradients (``treedef``; a leaf may be a subtree
+    such as optax's ``MaskedNode``, counted as its leaves). Each leaf's local
+    ``Σ|x|²`` is masked as :meth:`ModelAxes.mask` does (a leaf replicated over a
+    model axis counts once) and summed over the model axes and ``data_axes``
+    (ZeRO's rows) in one scalar ``psum``.
+    """
+    names = axis_names(data_axes) + model.axes
+    zero = lambda: jnp.zeros([], STAT_DTYPE)  # noqa: E731
+
+    def sq_norm(tree: Any) -> Array:
+        try:
+            parts = treedef.flatten_up_to(tree)
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                "adascale_sq_norm (the global squared norm AdaScale hands to inner) needs a tree shaped like "
+                f"the gradients {treedef}, got {jax.tree.structure(tree)}"
+            ) from err
+        values = [sum((leaf_sq_norm(x) for x in jax.tree.leaves(part)), zero()) for part in parts]
+        local = sum(model.mask(values), zero())
+        return lax.psum(local, names) if names else local
+
+    return sq_norm
+
+
 def model_axes(
     grads: Any, params: Any, axis_name: AxisName | None, param_specs: Any = None
 ) -> ModelAxes:
@@ -294,10 +321,13 @@ def model_axes(
         unchecked = [a for a in others if not vma_checked(a)]
         if unchecked:
             raise ValueError(
-                f"the mesh has manual axes {unchecked} besides the data axes {sorted(data)}, and here "
-                "(shard_map with check_vma=False, or pmap) JAX records no varying types, so AdaScale "
-                "cannot tell which parameters are split over them. Pass param_specs= (the params' "
-                "PartitionSpecs, as given to shard_map's in_specs), or use check_vma=True."
+                f"axis_name={axis_name!r}, but the manual axes {unchecked} bound here are not among the "
+                f"data axes {sorted(data)}, and here (jax.pmap, or shard_map with check_vma=False) JAX "
+                "records no varying types to tell what they are. If "
+                f"{unchecked} is your data-parallel axis (jax.pmap(..., axis_name=...), or the batch axis of "
+                f"shard_map), pass it to the optimizer: axis_name={_suggest_axis_name(data, unchecked)!r}. "
+                "If it is a model axis (tensor parallelism), pass param_specs= (the params' PartitionSpecs, "
+                "as given to shard_map's in_specs), or use check_vma=True."
             )
     axes = tuple(a for a in manual if any(a in s for s in split))
     return ModelAxes(axes, tuple(split))
@@ -332,6 +362,12 @@ def resolve_axes(axis_name: AxisName | None, grads: Any, params: Any, param_spec
     check_grads_follow_params(grads, params, axis_name)
     check_vmap_axis_not_explicit(grads, axis_name)
     return Axes(axis_names(axis_name), replicas, model_axes(grads, params, axis_name, param_specs))
+
+
+def _suggest_axis_name(data: frozenset[str], unchecked: list[str]) -> AxisName:
+    """The bound axes as an ``axis_name`` value: the unbound data names dropped, the unchecked ones added."""
+    names = [a for a in manual_axes() if a in data or a in unchecked]
+    return names[0] if len(names) == 1 else tuple(names)
 
 
 # --------------------------------------------------------------------------- squared norms

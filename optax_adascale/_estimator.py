@@ -102,16 +102,21 @@ def step_moments(
     return jnp.maximum(var, eps), jnp.maximum(sqr, 0.0) if floor_sqr else sqr
 
 
-def horizon_smoothing(last_gain: Array, horizon: float | Array) -> Array:
-    """``θ_t = exp(−r_{t−1}/H)``: a moving average whose memory is ``H`` base-batch steps (τ), not updates.
+def horizon_smoothing(last_gain: Array, horizon: float | Array) -> tuple[Array, Array]:
+    """``(θ_t, 1 − θ_t)`` with ``θ_t = exp(−r_{t−1}/H)``: a memory of ``H`` base-batch steps (τ), not updates.
 
     An update worth ``r`` base steps ages the average by ``r/H`` e-folds, so the
     average forgets at the pace at which training (and the schedule, which
     runs on τ) moves, whatever the scale. ``r_{t−1}`` is the gain of the last
     update (1 before the first), so the rate does not depend on this step's
     own estimate.
+
+    ``1 − θ`` is returned as ``−expm1(−r/H)``: for ``H ≳ 3·10⁷·r`` the float32
+    ``θ`` rounds to 1, and ``1 − θ`` computed from it would be 0 (the
+    averages 0/0); ``expm1`` keeps its value (≈ ``r/H``).
     """
-    return jnp.exp(-jnp.asarray(last_gain, jnp.float32) / jnp.asarray(horizon, jnp.float32))
+    x = -jnp.asarray(last_gain, jnp.float32) / jnp.asarray(horizon, jnp.float32)
+    return jnp.exp(x), -jnp.expm1(x)
 
 
 def ema_rate(
@@ -132,18 +137,23 @@ def ema_rate(
     Args:
       count: ``t``, the 1-based index of this sample (int32 scalar).
       weight: ``w_{t−1}``, the debiasing weight before this sample.
-      smoothing: ``θ ∈ [0, 1)``.
+      smoothing: ``θ ∈ [0, 1)``, or the pair ``(θ, 1 − θ)`` where ``1 − θ`` is
+        known more precisely than float32 ``θ`` gives it (:func:`horizon_smoothing`).
       averaging: ``"debiased"`` or ``"paper"``.
 
     Returns:
       ``(α_t, w_t)``; ``w_t`` is carried in the state for both modes.
     """
-    theta = jnp.asarray(smoothing, jnp.float32)
-    new_weight = theta * weight + (1 - theta)
+    if isinstance(smoothing, tuple):
+        theta, rest = (jnp.asarray(x, jnp.float32) for x in smoothing)
+    else:
+        theta = jnp.asarray(smoothing, jnp.float32)
+        rest = 1 - theta
+    new_weight = theta * weight + rest
     if averaging == DEBIASED:
-        alpha = (1 - theta) / new_weight
+        alpha = rest / new_weight
     elif averaging == PAPER:
-        alpha = jnp.maximum(1 / count.astype(jnp.float32), 1 - theta)
+        alpha = jnp.maximum(1 / count.astype(jnp.float32), rest)
     else:
         raise ValueError(f"averaging must be one of {AVERAGING_MODES}, got averaging={averaging!r}")
     return alpha, new_weight

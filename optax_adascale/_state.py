@@ -153,18 +153,18 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     ``param_labels``, ``group_gains`` (label → gain). Before the first update:
     gain 1, τ 0, the rest 0.
 
+    With a :func:`noise_scale_monitor` (and no AdaScale) in the chain, its keys:
+    ``noise_scale``, ``noise_scale_examples``, ``noise_scale_tokens``,
+    ``grad_sqr``, ``grad_var``; with both, AdaScale's keys plus the monitor's
+    ``noise_scale_examples`` and ``noise_scale_tokens``.
+
     Examples:
       >>> import jax.numpy as jnp, optax_adascale
       >>> tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=2)
       >>> m = optax_adascale.metrics(tx.init(jnp.zeros(2)))
       >>> m["gain"], m["scale_invariant_steps"], m["grad_var"]
       (Array(1., dtype=float32), Array(0., dtype=float32), Array(0., dtype=float32))
-    
-    With a :func:`noise_scale_monitor` (and no AdaScale) in the chain, its keys:
-    ``noise_scale``, ``noise_scale_examples``, ``noise_scale_tokens``,
-    ``grad_sqr``, ``grad_var``; with both, AdaScale's keys plus the monitor's
-    ``noise_scale_examples`` and ``noise_scale_tokens``.
-"""
+    """
     monitor = _noise.metrics(opt_state) if _noise.has_noise_state(opt_state) else None
     try:
         s = get_adascale_state(opt_state)
@@ -197,7 +197,8 @@ def _noise_scale(s: AdaScaleState) -> jax.Array:
     var: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
     sqr: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
     var, sqr = jnp.asarray(var, jnp.float32), jnp.maximum(jnp.asarray(sqr, jnp.float32), 0.0)
-    return jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
+    ratio = jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
+    return jnp.where(jnp.isfinite(var) & jnp.isfinite(sqr), ratio, jnp.nan)
 
 
 def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> bool:
@@ -423,6 +424,13 @@ def _conform(source: Any, target: Any) -> Any:
     src = {key(p): v for p, v in jax.tree_util.tree_leaves_with_path(source)}
     tgt = jax.tree_util.tree_leaves_with_path(target)
     if sorted(src) != sorted(key(p) for p, _ in tgt):
+        differ = {k[0] for k in set(src) ^ {key(p) for p, _ in tgt} if k}
+        if differ & {"grad_var", "grad_sqr", "group_gains"}:
+            raise ValueError(
+                "opt_state and target have different parameter groups (param_labels): the moving averages "
+                "are kept per group, so they cannot be carried between a labelled and an unlabelled "
+                "configuration, or between different labels. Use the same param_labels in both."
+            )
         raise ValueError("the inner transformations of opt_state and target differ in structure")
 
     def place(value, like):

@@ -2,8 +2,8 @@
 
 Everything here runs after the reduction, on values identical on every replica
 (or, with ``shard_optimizer_state``, on each replica's row of them), so every
-replica takes the same branch of the skip. :class:`AllReduce` is the replicated
-reduction strategy; ``_zero.ZeroRows`` is the sharded one. The factory picks one.
+replica takes the same branch of the skip. The reduction strategies that call
+:func:`apply` are in ``_reduce``.
 """
 
 import dataclasses
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale import _collect, _groups
+from optax_adascale import _checks, _collect, _groups
 from optax_adascale import _estimator as est
 
 Array = jax.Array
@@ -68,7 +68,9 @@ def _statistics(estimator: est.Estimator, shape: Shape, a: Array, b: Array, stat
     grad_var = est.ema_update(old_var, var_t, alpha_var)
     grad_sqr = est.ema_update(old_sqr, sqr_t, alpha_sqr)
     floored = jnp.sum(a - b) <= 1e-5 * jnp.sum(a)
-    stats_finite = jnp.all(jnp.isfinite(jnp.stack([a, b, var_t, sqr_t])))
+    # The averages too: a state restored from a broken run (or 0/0 weights) must skip, not train on NaN.
+    stats_finite = jnp.all(jnp.isfinite(jnp.concatenate([a, b, var_t, sqr_t, grad_var, grad_sqr,
+                                                         jnp.stack([weight, sqr_weight])])))
     if estimator.delayed_gain:
         # The gain of the averages through the last update; this sample enters them
         # afterwards. The skip reads `a` alone (finite a ⇒ finite ḡ), so nothing
@@ -99,7 +101,11 @@ def _learning_rates(update: Update, stats: _Statistics, tau_whole: Array) -> tup
 
 def _run_inner(inner, mean_grads, inner_state, params, extra_args):
     """``inner`` on the averaged gradient; its new state keeps the old state's dtypes (stable types)."""
-    updates, new_state = inner.update(mean_grads, inner_state, params, **extra_args)
+    try:
+        updates, new_state = inner.update(mean_grads, inner_state, params, **extra_args)
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as err:
+        _checks.explain_inner_state_mismatch(inner, inner_state, mean_grads, err)
+        raise
     if jax.tree.structure(updates) != jax.tree.structure(mean_grads):
         raise ValueError(
             "inner must return updates with the structure of the gradients: got "
@@ -197,28 +203,3 @@ def _next_state(shape: Shape, state, stats: _Statistics, lr, step_size, ok):
     )
     return optax.tree.where(ok, stepped, skipped)
 
-
-@dataclasses.dataclass(frozen=True)
-class AllReduce:
-    """The replicated update: one ``psum`` of (gradients, squared norms) over the data axes, then :func:`apply`.
-
-    Without data axes (``axis_name=None``) nothing is reduced: the gradients and
-    statistics are this call's own, or arrive already reduced (the GSPMD drop-in).
-    """
-
-    def init_inner(self, inner: optax.GradientTransformationExtraArgs, params: Any) -> Any:
-        return inner.init(params)
-
-    def check(self, axes: _collect.Axes, state: Any, params: Any, scattered: bool) -> None:
-        if scattered:
-            raise ValueError(
-                "microbatch_stats come from fsdp_probes (the gradients are already reduce-scattered rows), "
-                "which needs the ZeRO layout: adascale(..., shard_optimizer_state=n)."
-            )
-
-    def step(self, update: Update, shape: Shape, local_grads, local_sq, state, params, extra_args, *,
-             weights=None, scattered: bool = False):
-        del scattered
-        with jax.named_scope("adascale/reduce"):
-            mean, a, b = _collect.reduce_statistics(local_grads, local_sq, shape.axes, shape.groups, weights)
-        return apply(update, shape, mean, a, b, state, params, extra_args)

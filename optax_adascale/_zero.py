@@ -17,10 +17,11 @@ Gradient traffic is one reduce-scatter plus one all-gather, the bytes of one
 all-reduce; the update and the read of ``ḡ`` that the gain needs shrink to
 ``1/n`` per device. ``inner`` must be elementwise (``trace``, ``scale_by_adam``,
 ``add_decayed_weights``) or shard-aware (:func:`clip_by_global_norm`); this is
-checked at ``init`` by running ``inner`` on a two-row stand-in.
+checked at ``init`` by running ``inner`` on a stand-in of the parameters, whole and
+in ``n`` rows, or declared with :func:`elementwise`.
 """
 
-import dataclasses
+import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -28,9 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from optax_adascale import _collect, _step
+from optax_adascale import _collect
 
 Array = jax.Array
 
@@ -68,7 +68,7 @@ def from_rows(rows: Array, like: Any) -> Array:
 def init_inner(inner: optax.GradientTransformationExtraArgs, params: Any, n: int) -> ShardedInnerState:
     """``inner``'s state over the rows of ``params`` (full, replicated params; call outside shard_map)."""
     if jax.tree.leaves(params):
-        check_elementwise(inner, params)
+        check_elementwise(inner, params, n)
     rows = jax.tree.map(lambda p: to_rows(p, n), params)
     state = inner.init(rows)
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
@@ -82,54 +82,197 @@ def init_inner(inner: optax.GradientTransformationExtraArgs, params: Any, n: int
     return ShardedInnerState(state)
 
 
-def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any) -> None:
-    """Raise unless ``inner`` on two half-shards (a vmap axis) computes what it computes on the whole.
+class _Elementwise(optax.GradientTransformationExtraArgs):
+    """An ``inner`` the user declared elementwise (or shard-aware): :func:`elementwise`."""
+
+
+def elementwise(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Declare that ``inner`` computes on a shard of the parameters what it computes on the whole.
+
+    AdaScale runs ``inner`` on shards where the parameters are split: each
+    replica's ``1/n`` row with ``shard_optimizer_state=n`` (ZeRO), and the
+    model-axis pieces of tensor-parallel parameters. It checks that ``inner``
+    is elementwise by running it on a stand-in of the parameters, whole and in
+    shards, at gradient magnitudes from ``1e-3`` to ``1e12``. An ``inner`` that
+    cannot run on the stand-in (it needs extra arguments, such as
+    ``optax.scale_by_polyak``'s ``value``, or particular values) cannot be
+    judged and is refused; declare it with this function if it is elementwise
+    (``u_i`` depends on ``g_i``, ``p_i`` and its own state only) or shard-aware
+    (it reduces across leaves only through the ``adascale_sq_norm`` extra
+    argument, as :func:`clip_by_global_norm` does). A wrong declaration gives
+    wrong updates: nothing is checked.
+
+    Args:
+      inner: the transformation to declare.
+
+    Returns:
+      The same transformation (an ``optax.GradientTransformationExtraArgs``),
+      marked as elementwise.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_adascale
+      >>> inner = optax_adascale.elementwise(optax.trace(0.9))
+      >>> tx = optax_adascale.adascale(inner, 0.1, axis_name="data", shard_optimizer_state=2)
+      >>> tx.init(jnp.zeros(3)).inner_state.rows.trace.shape  # two rows of two
+      (2, 2)
+    """
+    inner = optax.with_extra_args_support(inner)
+    return _Elementwise(inner.init, inner.update)
+
+
+def is_declared_elementwise(inner: Any) -> bool:
+    return isinstance(inner, _Elementwise)
+
+
+# Stand-ins with the parameters' real shapes up to this many elements (masks computed from sizes are seen);
+# beyond it, two elements per dimension.
+_REAL_SHAPES_LIMIT = 1 << 22
+# Gradient magnitudes of the check: moderate ones show masks and decay; large ones reach any realistic clip
+# threshold (the stand-in's norm is at least 1e12 at the last; its squares stay far from float32's range).
+_GRAD_SCALES = (1e-3, 1.0, 1e3, 1e6, 1e9, 1e12)
+
+
+def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any, n: int = 2) -> None:
+    """Raise unless ``inner`` on ``n`` rows (a vmap axis) computes what it computes on the whole.
 
     Catches transformations that need the whole tensor (``optax.clip_by_global_norm``,
-    ``optax.scale_by_trust_ratio``) and masks computed from shapes (``p.ndim > 1``
-    sees flattened rows). An ``inner`` that cannot run on the stand-in is not judged.
+    ``optax.scale_by_trust_ratio``) and masks computed from shapes or sizes
+    (each row is a flattened ``1/n`` of the leaf), on a stand-in with the
+    params' real shapes (when under ``2²²`` elements) at gradient magnitudes
+    from ``1e-3`` to ``1e12``. An ``inner`` that cannot run on the stand-in is
+    refused unless declared with :func:`elementwise`.
     """
-    for grad_scale in (1.0, 1e4):  # moderate gradients show masks and decay; large ones, clipping
-        _check_elementwise_at(inner, params, grad_scale)
-
-
-def _check_elementwise_at(inner: optax.GradientTransformationExtraArgs, params: Any, grad_scale: float) -> None:
+    if is_declared_elementwise(inner):
+        return
     leaves, treedef = jax.tree.flatten(params)
-    full_shapes = [(2,) * jnp.ndim(p) for p in leaves]
+    real = sum(math.prod(jnp.shape(p)) for p in leaves) <= _REAL_SHAPES_LIMIT
+    shapes = [tuple(jnp.shape(p)) if real else (2,) * jnp.ndim(p) for p in leaves]
     dtypes = [jnp.promote_types(jnp.result_type(p), jnp.float32) for p in leaves]
+    pattern = lambda s, d, k: (1.0 + (jnp.arange(math.prod(s)) % k) / k).astype(d).reshape(s)  # noqa: E731
     try:
         with jax.ensure_compile_time_eval():
-            full_p = treedef.unflatten(
-                [0.5 + 0.25 * jnp.arange(math.prod(s), dtype=d).reshape(s) for s, d in zip(full_shapes, dtypes)]
-            )
-            full_g = treedef.unflatten(
-                [grad_scale * (1.0 + jnp.arange(math.prod(s), dtype=d).reshape(s)) for s, d in zip(full_shapes, dtypes)]
-            )
-            whole, _ = inner.update(full_g, inner.init(full_p), full_p)
-            rows_p = jax.tree.map(lambda x: to_rows(x, 2), full_p)
-            rows_g = jax.tree.map(lambda x: to_rows(x, 2), full_g)
-            state = inner.init(rows_p)
+            full_p = treedef.unflatten([0.5 * pattern(s, d, 5) for s, d in zip(shapes, dtypes)])
+            base_g = treedef.unflatten([pattern(s, d, 7) for s, d in zip(shapes, dtypes)])
+            whole_state = inner.init(full_p)
+            rows_p = jax.tree.map(lambda x: to_rows(x, n), full_p)
+            rows_state = inner.init(rows_p)
 
             def one_row(g, s, p):
-                u, _ = inner.update(g, s, p, adascale_sq_norm=_sq_norm_fn("zero_probe"))
+                sq_norm = _collect.sq_norm_fn(jax.tree.structure(g), _collect.ModelAxes(), "zero_probe")
+                u, _ = inner.update(g, s, p, adascale_sq_norm=sq_norm)
                 return u
 
-            axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, state)
-            shards = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")(rows_g, state, rows_p)
-            expected = [np.asarray(jnp.ravel(to_rows(u, 2))) for u in jax.tree.leaves(whole)]
-            got = [np.asarray(jnp.ravel(u)) for u in jax.tree.leaves(shards)]
-    except Exception:  # noqa: BLE001 - an inner we cannot run on the stand-in is not judged
+            axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, rows_state)
+            rows_update = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")
+            results = []
+            for scale in _GRAD_SCALES:
+                full_g = jax.tree.map(lambda g, c=scale: g * jnp.asarray(c, g.dtype), base_g)
+                whole, _ = inner.update(full_g, whole_state, full_p)
+                shards = rows_update(jax.tree.map(lambda x: to_rows(x, n), full_g), rows_state, rows_p)
+                results.append(([np.asarray(jnp.ravel(to_rows(u, n))) for u in jax.tree.leaves(whole)],
+                                [np.asarray(jnp.ravel(u)) for u in jax.tree.leaves(shards)]))
+    except Exception as err:  # noqa: BLE001 - an inner we cannot run cannot be judged: refuse it
+        raise ValueError(
+            f"shard_optimizer_state={n}: AdaScale could not run inner on a stand-in of the parameters to check "
+            f"that it computes on a 1/n row what it computes on the whole ({type(err).__name__}: {err}). If "
+            "inner is elementwise (each entry of the update depends on the same entry of the gradient, the "
+            "parameters and its own state only) or shard-aware, declare it: optax_adascale.elementwise(inner)."
+        ) from err
+    for expected, got in results:
+        for e, g in zip(expected, got, strict=True):
+            if not np.allclose(e, g, rtol=1e-4, atol=1e-6 * max(1.0, float(np.max(np.abs(e), initial=0.0)))):
+                raise ValueError(
+                    "shard_optimizer_state: inner computes something different on a 1/n shard of the parameters "
+                    "than on the whole, so the sharded update would be wrong. inner must be elementwise "
+                    "(optax.trace, optax.scale_by_adam, optax.add_decayed_weights). Norm-based transformations "
+                    "need the global norm: use optax_adascale.clip_by_global_norm instead of "
+                    "optax.clip_by_global_norm; masks and labels must be given as trees, not computed from "
+                    "shapes or sizes (each shard is a flattened row)."
+                )
+
+
+@contextlib.contextmanager
+def _off_mesh():
+    """Leave the caller's shard_map (its mesh and varying-type checks): the probes' vmap axes are no mesh axes.
+
+    ``_check_vma`` is JAX's internal switch behind ``shard_map(check_vma=...)``;
+    feature-tested, so if it moves the probe runs under the caller's setting.
+    """
+    from jax._src import config as jax_config  # noqa: PLC0415 - internal, feature-tested
+
+    check_vma = getattr(jax_config, "_check_vma", None)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        if check_vma is None:
+            yield
+        else:
+            with check_vma(False):
+                yield
+
+
+def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any,
+                      model: _collect.ModelAxes) -> None:
+    """Raise unless ``inner`` computes on model-axis pieces of the split leaves what it computes on the whole.
+
+    Tensor parallelism hands ``inner`` each device's piece of a split leaf.
+    On a stand-in (two elements per dimension, split leaves cut in two along
+    their first dimension, a vmap axis standing for the model axes), ``inner``
+    runs whole and in pieces, with the ``adascale_sq_norm`` AdaScale gives it,
+    at gradient magnitudes from ``1e-3`` to ``1e12``. ``optax.clip_by_global_norm``
+    (each piece clipped by its own norm) fails this; :func:`clip_by_global_norm`
+    passes. An ``inner`` that cannot run on the stand-in is refused unless
+    declared with :func:`elementwise`.
+    """
+    if is_declared_elementwise(inner):
         return
-    for e, g in zip(expected, got, strict=True):
-        if not np.allclose(e, g, rtol=1e-4, atol=1e-6):
-            raise ValueError(
-                "shard_optimizer_state: inner computes something different on a 1/n shard of the parameters "
-                "than on the whole, so the sharded update would be wrong. inner must be elementwise "
-                "(optax.trace, optax.scale_by_adam, optax.add_decayed_weights). Norm-based transformations "
-                "need the global norm: use optax_adascale.clip_by_global_norm instead of "
-                "optax.clip_by_global_norm; masks and labels must be given as trees, not computed from "
-                "shapes (each shard is a flattened row)."
-            )
+    leaves, treedef = jax.tree.flatten(grads)
+    split = [bool(axes) and jnp.ndim(g) >= 1 for g, axes in zip(leaves, model.leaf_axes, strict=True)]
+    if not any(split):
+        return
+    probe = _collect.ModelAxes(("tp_probe",), tuple(frozenset({"tp_probe"}) if s else frozenset() for s in split))
+    shapes = [(2,) * jnp.ndim(g) for g in leaves]
+    dtypes = [jnp.promote_types(jnp.result_type(g), jnp.float32) for g in leaves]
+    pattern = lambda s, d, k: (1.0 + (jnp.arange(math.prod(s)) % k) / k).astype(d).reshape(s)  # noqa: E731
+    cut = lambda x, s: jnp.reshape(x, (2, 1, *x.shape[1:])) if s else x  # noqa: E731
+    in_axes = treedef.unflatten([0 if s else None for s in split])
+
+    def pieces(g, p):
+        u, _ = inner.update(g, inner.init(p), p, adascale_sq_norm=_collect.sq_norm_fn(treedef, probe))
+        return u
+
+    try:
+        with jax.ensure_compile_time_eval(), _off_mesh():
+            full_p = treedef.unflatten([0.5 * pattern(s, d, 5) for s, d in zip(shapes, dtypes)])
+            base_g = treedef.unflatten([pattern(s, d, 7) for s, d in zip(shapes, dtypes)])
+            cut_p = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_p), split)])
+            state = inner.init(full_p)
+            results = []
+            for scale in _GRAD_SCALES:
+                full_g = jax.tree.map(lambda g, c=scale: g * jnp.asarray(c, g.dtype), base_g)
+                whole, _ = inner.update(full_g, state, full_p)
+                cut_g = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_g), split)])
+                got = jax.vmap(pieces, in_axes=(in_axes, in_axes), axis_name="tp_probe")(cut_g, cut_p)
+                results.append(([np.asarray(u) for u in jax.tree.leaves(whole)],
+                                [np.asarray(u) for u in jax.tree.leaves(got)]))
+    except Exception as err:  # noqa: BLE001 - an inner we cannot run cannot be judged: refuse it
+        raise ValueError(
+            f"parameters split over the model axes {list(model.axes)}: AdaScale could not run inner on a "
+            "stand-in of the parameters to check that it computes on a model shard what it computes on the "
+            f"whole ({type(err).__name__}: {err}). If inner is elementwise (each entry of the update depends "
+            "on the same entry of the gradient, the parameters and its own state only) or shard-aware, "
+            "declare it: optax_adascale.elementwise(inner)."
+        ) from err
+    for expected, got in results:
+        for e, g, s in zip(expected, got, split, strict=True):
+            g = np.reshape(g, e.shape) if s else g  # split: the pieces in order; replicated: a copy per piece
+            if not np.allclose(np.broadcast_to(e, g.shape), g, rtol=1e-4,
+                               atol=1e-6 * max(1.0, float(np.max(np.abs(e), initial=0.0)))):
+                raise ValueError(
+                    f"parameters split over the model axes {list(model.axes)}: inner computes something "
+                    "different on a model shard of a parameter than on the whole, so the update would be wrong. "
+                    "inner must be elementwise (optax.trace, optax.scale_by_adam, optax.add_decayed_weights) "
+                    "or shard-aware: use optax_adascale.clip_by_global_norm instead of "
+                    "optax.clip_by_global_norm (it clips by the norm summed over the shards)."
+                )
 
 
 # --------------------------------------------------------------------------- layout
@@ -172,119 +315,6 @@ def recut(source: Any, target: Any) -> Any:
         return flat.reshape(n_new, m_new)
 
     return ShardedInnerState(jax.tree.map(cut, src_rows, tgt_rows))
-
-
-# --------------------------------------------------------------------------- the sharded step
-
-
-def _sq_norm_fn(axis_name: Any):
-    """The global squared norm of a tree of shards: local ``Σ|x|²`` summed over the shard axes."""
-
-    def sq_norm(tree):
-        local = sum((_collect.leaf_sq_norm(x) for x in jax.tree.leaves(tree)), jnp.zeros([], jnp.float32))
-        return lax.psum(local, axis_name)
-
-    return sq_norm
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroRows:
-    """The sharded update (``shard_optimizer_state=n``): reduce-scatter, statistics in one scalar psum,
-    :func:`_step.apply` on this replica's row, all-gather.
-
-    With FSDP statistics (``scattered``: :func:`optax_adascale.fsdp_gather`'s probes) the
-    gradients and ``params`` are already this replica's rows, the gradients summed over
-    the replicas by the gather's backward pass: no reduce-scatter, no all-gather.
-    """
-
-    num_replicas: int
-
-    def init_inner(self, inner: optax.GradientTransformationExtraArgs, params: Any) -> ShardedInnerState:
-        return init_inner(inner, params, self.num_replicas)
-
-    def check(self, axes: _collect.Axes, state: Any, params: Any, scattered: bool) -> None:
-        if axes.replicas != self.num_replicas:
-            raise ValueError(
-                f"shard_optimizer_state={self.num_replicas} but the data axes {axes.name!r} have {axes.replicas} "
-                "replicas here; pass shard_optimizer_state equal to the data-parallel size."
-            )
-        if not isinstance(state.inner_state, ShardedInnerState):
-            raise ValueError("opt_state was not made by a transformation with shard_optimizer_state set")
-        if scattered:
-            if params is None:
-                raise ValueError("FSDP statistics (fsdp_probes) need the parameter rows: "
-                                 "tx.update(grads, opt_state, rows, microbatch_stats=stats)")
-            return
-        # FSDP rows (fsdp_shard, placed with P(axis)) are (1, m) slices varying over the data axes;
-        # replicated parameters, pcast or not, keep their own shapes.
-        leaves = [] if params is None else jax.tree.leaves(params)
-        rows = bool(leaves) and all(jnp.ndim(p) == 2 and jnp.shape(p)[0] == 1 for p in leaves)
-        split = [name for name in axes.data if rows and _collect.vma_checked(name)
-                 and all(name in _collect.varying_axes(p) for p in leaves)]
-        if split:
-            raise ValueError(
-                f"the parameters vary over the data axes {split}: they are FSDP rows (fsdp_shard), so the "
-                "gradients reaching update are already reduce-scattered and the per-replica squared norms are "
-                "lost. Differentiate with respect to optax_adascale.fsdp_probes(rows, axis) too and pass "
-                "the probes' gradients: tx.update(grads, opt_state, rows, microbatch_stats=probe_grads)."
-            )
-
-    def step(self, update: _step.Update, shape: _step.Shape, local_grads, local_sq, state, params, extra_args, *,
-             weights=None, scattered: bool = False):
-        del weights  # refused with shard_optimizer_state by the factory
-        axis, n = shape.axes.data, shape.axes.replicas
-        groups, model = shape.groups, shape.axes.model
-        low = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16  # noqa: E731
-        lead = _local_lead(state.inner_state.rows)
-
-        with jax.named_scope("adascale/reduce_scatter"):
-            if scattered:
-                mean = jax.tree.map(lambda g: jnp.ravel(g) / n, local_grads)
-            else:
-                flat = jax.tree.map(lambda g: jnp.ravel(to_rows(g / n if low(g) else g, n)), local_grads)
-                sums = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
-                mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
-            b_local = groups.sums(model.mask([_collect.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
-            a, b = lax.psum((local_sq / n, b_local), axis)
-            a, b = model.psum((a, b))
-        param_rows = None
-        if params is not None and scattered:
-            param_rows = jax.tree.map(jnp.ravel, params)
-        elif params is not None:
-            index = lax.axis_index(axis)
-            param_rows = jax.tree.map(lambda p: lax.dynamic_index_in_dim(to_rows(p, n), index, keepdims=False),
-                                      params)
-        shard_state = state._replace(inner_state=jax.tree.map(
-            lambda x: jnp.reshape(x, x.shape[len(lead):]) if jnp.ndim(x) else x, state.inner_state.rows))
-        extra = dict(extra_args, adascale_sq_norm=_sq_norm_fn(axis))
-        row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra)
-        new_rows = jax.tree.map(lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
-                                new_state.inner_state, state.inner_state.rows)
-        new_state = new_state._replace(inner_state=ShardedInnerState(new_rows))
-        if scattered:
-            return jax.tree.map(lambda u, g: jnp.reshape(u, g.shape), row_updates, local_grads), new_state
-        with jax.named_scope("adascale/all_gather"):
-            gathered = _all_gather(row_updates, axis)
-            updates = jax.tree.map(lambda u, g: from_rows(u, g).astype(u.dtype), gathered, local_grads)
-        return updates, new_state
-
-
-def _local_lead(rows: Any) -> tuple[int, ...]:
-    """The leading dims of this replica's view of a row: ``(1,)`` under shard_map, ``()`` under vmap/pmap."""
-    for x in jax.tree.leaves(rows):
-        if jnp.ndim(x) == 2:
-            return (1,)
-        if jnp.ndim(x) == 1:
-            return ()
-    return ()
-
-
-def _all_gather(tree: Any, axis: Any) -> Any:
-    """All-gather rows into the full flat vector; under shard_map's type checks, replica-invariant."""
-    names = _collect.axis_names(axis)
-    if all(_collect.vma_checked(name) for name in names):
-        return lax.all_gather(tree, axis, axis=0, tiled=True, to="invarying")
-    return lax.all_gather(tree, axis, axis=0, tiled=True)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
