@@ -29,10 +29,16 @@ ROW = re.compile(
 
 
 def run_smoke(*args: str) -> str:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "gspmd_lm.py"), "--smoke", *args],
-                            capture_output=True, text=True, timeout=600, env=env)
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT)
+    )
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "gspmd_lm.py"), "--smoke", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result.stdout
 
