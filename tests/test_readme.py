@@ -1,23 +1,28 @@
-"""The README stays true: its usage example runs, and it opens with the two commands."""
+"""The README's code stays true: its training loop runs to the budget, its one-device recipe scales.
+
+The blocks are found by what they define (``T_SI`` and ``opt_state``; ``one_device_step``), not by their
+position or the headings around them, so the README can be reorganised freely.
+"""
 
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_opens_with_the_main_job_and_the_test_command():
-    first_block = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1).splitlines()
-    assert first_block == [
-        'pip install -e ".[examples]" && python examples/train_mnist1d.py',
-        'pip install -e ".[test]" && pytest',
-    ]
+def python_block(defining: str) -> str:
+    """The first ```python block of the README that contains ``defining``."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    found = [b for b in blocks if defining in b]
+    if not found:
+        pytest.fail(f"README.md has no ```python block containing {defining!r}; update tests/test_readme.py")
+    return found[0]
 
 
 def test_readme_usage_example_trains_until_the_budget(capsys):
-    text = README.read_text()
-    usage = text[text.index("## Usage") :]
-    code = re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+    code = python_block("T_SI")
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - our own documentation
     import optax_adascale
@@ -32,13 +37,11 @@ def test_readme_usage_example_trains_until_the_budget(capsys):
 
 
 def test_readme_one_device_block_scales_with_micro_batches():
-    text = README.read_text()
-    usage = text[text.index("## Usage") :]
-    first, second = re.findall(r"```python\n(.*?)```", usage, re.S)[:2]
     namespace: dict = {}
-    exec(compile(first.split("mesh =")[0], str(README), "exec"), namespace)  # noqa: S102 - imports, loss_fn
+    # The imports and loss_fn of the usage example (everything before its mesh), then the one-device block.
+    exec(compile(python_block("def loss_fn").split("mesh =")[0], str(README), "exec"), namespace)  # noqa: S102
     namespace["schedule"] = namespace["optax"].exponential_decay(0.05, transition_steps=200, decay_rate=0.5)
-    exec(compile(second, str(README), "exec"), namespace)  # noqa: S102
+    exec(compile(python_block("def one_device_step"), str(README), "exec"), namespace)  # noqa: S102
     import jax.numpy as jnp
     import numpy as np
 
