@@ -170,7 +170,7 @@ ELASTIC_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\
 
 
 def test_elastic_example_smoke_prints_the_phase_table():
-    stdout = run_example("elastic.py", "--smoke", timeout=150)
+    stdout = run_example("elastic.py", "--smoke", timeout=300)
     lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["phase", "S"])
     rows = [ELASTIC_ROW.match(line) for line in lines[header + 1 : header + 4]]
@@ -203,7 +203,7 @@ GOODPUT_RUN = re.compile(
 
 @pytest.fixture(scope="module")
 def goodput_stdout() -> str:
-    return run_example("elastic_goodput.py", "--smoke", timeout=150)
+    return run_example("elastic_goodput.py", "--smoke", timeout=300)
 
 
 def _goodput_rows(lines: list[str], first_words: list[str], pattern: re.Pattern) -> list[re.Match]:

@@ -27,7 +27,8 @@ WORKER = Path(__file__).with_name("multihost_worker.py")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multihost.py"
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 4
-TIMEOUT_S = 100  # a hang (e.g. a process waiting for a peer that died) fails instead of blocking CI
+TIMEOUT_S = 300  # a hang (e.g. a process waiting for a peer that died) fails instead of blocking CI; generous:
+# under `pytest -n auto` the other workers share the cores
 
 
 def _run_workers(tmp_path: Path) -> list[dict[str, np.ndarray]]:
@@ -149,7 +150,7 @@ def test_multihost_example_smoke_runs_on_two_processes(tmp_path):
         ]
 
     try:
-        outputs = multihost_worker.run_processes(command, NUM_PROCESSES, tmp_path, timeout=150)
+        outputs = multihost_worker.run_processes(command, NUM_PROCESSES, tmp_path, timeout=TIMEOUT_S)
     except RuntimeError as err:
         pytest.fail(str(err))
     assert "2 process(es), 8 devices (4 local): S = 8" in outputs[0]

@@ -219,7 +219,13 @@ def reference():
     return run_vmap()
 
 
-@pytest.mark.parametrize("path", PATHS.values(), ids=PATHS.keys())
+SLOW_PATHS = {"pmap"}  # > 10 s on a 2-core CPU (8 pmap devices)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(run, id=name, marks=[pytest.mark.slow] if name in SLOW_PATHS else []) for name, run in PATHS.items()],
+)
 def test_every_parallel_path_matches_vmap(path):
     ref_params, ref_log = reference()
     params, log = path()
