@@ -527,6 +527,11 @@ def tp_run(step, params, state, xs, ys):
     return params, state, log
 
 
+def tp_checkpoint(test):
+    """The tests of the saved TP run (> 10 s on a 2-core CPU): slow, and on one xdist worker, which saves it once."""
+    return pytest.mark.slow(pytest.mark.xdist_group("tp_checkpoint")(test))
+
+
 def momentum_of(state):
     return optax.tree.get(state, "trace")
 
@@ -534,6 +539,7 @@ def momentum_of(state):
 def assert_same_shardings(tree, target) -> None:
     for (path, a), t in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(target), strict=True):
         assert a.sharding.is_equivalent_to(t.sharding, a.ndim), jax.tree_util.keystr(path)
+
 
 
 @pytest.fixture(scope="module")
@@ -549,6 +555,7 @@ def tp_saved(tmp_path_factory):
     return path, params, state, specs
 
 
+@tp_checkpoint
 def test_tp_checkpoint_resumes_bit_identically_on_the_same_mesh(tp_saved):
     path, params, state, specs = tp_saved
     _, step, _ = tp_step(TP_MESH)
@@ -569,6 +576,7 @@ def test_tp_checkpoint_resumes_bit_identically_on_the_same_mesh(tp_saved):
     assert log_r == log_k
 
 
+@tp_checkpoint
 def test_tp_checkpoint_restores_onto_fewer_replicas_and_matches_the_unsharded_run(tp_saved):
     path, params, state, _ = tp_saved
     tx, step, specs = tp_step(MESH_2x2)
@@ -601,6 +609,7 @@ def test_tp_checkpoint_restores_onto_fewer_replicas_and_matches_the_unsharded_ru
         np.testing.assert_allclose(np.asarray(momentum_of(s_r)[name]), m, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow  # > 10 s on a 2-core CPU
 def test_tp_checkpoint_mid_accumulation_resumes_bit_identically(tmp_path):
     k = 2
     tx, step, specs = tp_step(TP_MESH, accumulation=k)

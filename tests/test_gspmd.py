@@ -102,6 +102,7 @@ def assert_matches_shard_map(params, log, microbatches=1):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params)
 
 
+@pytest.mark.slow  # > 10 s on a 2-core CPU
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_gspmd_on_auto_mesh_matches_shard_map(microbatches):
     """8 samples per update: 8 replicas, or 4 replicas × 2 micro-batches."""

@@ -126,6 +126,7 @@ def _update_only(check_vma, param_specs):
     return f(params, tx.init(params), full)
 
 
+@pytest.mark.slow  # > 10 s on a 2-core CPU
 def test_check_vma_false_with_param_specs_matches_the_unsharded_update():
     x, y = batches(DATA)
     params = init_params()

@@ -98,12 +98,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+SLOW_CASES = {"plain", "accumulation2", "micro2"}  # > 10 s each on a 2-core CPU; "labels" stays in the fast loop
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in CASES])
 def test_sharded_state_under_shard_map_matches_the_replicated_update(case):
     kw = CASES[case]
     assert_same(shard_map_run(True, **kw), replicated(case, **kw))
 
 
+@pytest.mark.slow  # > 10 s on a 2-core CPU
 def test_sharded_state_with_bfloat16_params_matches_the_replicated_update():
     a = shard_map_run(True, dtype=jnp.bfloat16)
     b = replicated("bfloat16", dtype=jnp.bfloat16)
