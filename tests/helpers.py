@@ -12,6 +12,7 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -135,6 +136,12 @@ def gain_and_tau(state):
 
 
 # --------------------------------------------------------------------------- examples
+
+
+def scratch_dir(name: str) -> Path:
+    """A fresh temporary directory for a run cached across tests (``tmp_path`` is per test)."""
+    return Path(tempfile.mkdtemp(prefix=f"optax_adascale_{name}_"))
+
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -35,6 +35,7 @@ from helpers import (
     init_tp_params,
     make_tp_tx,
     make_tx,
+    scratch_dir,
     tp_batches,
     tp_loss,
 )
@@ -542,17 +543,23 @@ def assert_same_shardings(tree, target) -> None:
 
 
 
-@pytest.fixture(scope="module")
-def tp_saved(tmp_path_factory):
+@functools.cache
+def _tp_saved():
     """``SAVED_AT`` TP updates on the (4, 2) mesh, checkpointed; returns the path and the in-memory run."""
     tx, step, specs = tp_step(TP_MESH)
     params, state, _ = tp_fresh(tx, TP_MESH)
     x, y = tp_batches(TP_DATA)
     params, state, log = tp_run(step, params, state, x[:SAVED_AT], y[:SAVED_AT])
     assert int(state.count) == SAVED_AT and float(state.scale) == TP_DATA and min(g for g, _ in log) > 1
-    path = tmp_path_factory.mktemp("tp") / "ckpt"
+    path = scratch_dir("tp") / "ckpt"
     save(path, {"params": params, "opt_state": state})
     return path, params, state, specs
+
+
+@pytest.fixture
+def tp_saved():
+    """_tp_saved, computed once per process (xdist may tear module fixtures down between tests)."""
+    return _tp_saved()
 
 
 @tp_checkpoint

@@ -14,12 +14,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
 
 import pytest
-from helpers import run_example
+from helpers import run_example, scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +29,8 @@ pytestmark = pytest.mark.slow
 QUICKSTART_COLUMNS = ("S", "batch", "iterations", "tau", "mean gain", "train acc", "test acc", "time (s)")
 
 
-@pytest.fixture(scope="module")
-def quickstart_table() -> dict[int, dict[str, float]]:
+@functools.cache
+def _quickstart_table() -> dict[int, dict[str, float]]:
     """Runs ``quickstart.py --smoke`` once; returns its table as ``{S: {column: value}}``."""
     stdout = run_example("quickstart.py", "--smoke")
     lines = stdout.splitlines()
@@ -43,6 +44,12 @@ def quickstart_table() -> dict[int, dict[str, float]]:
         assert len(values) == len(QUICKSTART_COLUMNS), line
         rows[int(values[0])] = dict(zip(QUICKSTART_COLUMNS, values, strict=True))
     return rows
+
+
+@pytest.fixture
+def quickstart_table():
+    """_quickstart_table, computed once per process (xdist may tear module fixtures down between tests)."""
+    return _quickstart_table()
 
 
 quickstart = pytest.mark.xdist_group("quickstart")
@@ -106,10 +113,16 @@ def run_flagship(out: Path, *args: str) -> tuple[dict[int, dict[str, str]], Path
     return rows, png
 
 
-@pytest.fixture(scope="module")
-def flagship_run(tmp_path_factory):
+@functools.cache
+def _flagship_run():
     """The default run (``--mesh shard_map``, S = 1, 8, 32), shared by the tests below."""
-    return run_flagship(tmp_path_factory.mktemp("shard_map"))
+    return run_flagship(scratch_dir("shard_map"))
+
+
+@pytest.fixture
+def flagship_run():
+    """_flagship_run, computed once per process (xdist may tear module fixtures down between tests)."""
+    return _flagship_run()
 
 
 flagship = pytest.mark.xdist_group("flagship")
@@ -204,9 +217,15 @@ GOODPUT_RUN = re.compile(
 )
 
 
-@pytest.fixture(scope="module")
-def goodput_stdout() -> str:
+@functools.cache
+def _goodput_stdout() -> str:
     return run_example("elastic_goodput.py", "--smoke", timeout=300)
+
+
+@pytest.fixture
+def goodput_stdout():
+    """_goodput_stdout, computed once per process (xdist may tear module fixtures down between tests)."""
+    return _goodput_stdout()
 
 
 def _goodput_rows(lines: list[str], first_words: list[str], pattern: re.Pattern) -> list[re.Match]:

@@ -12,6 +12,7 @@ the other on one worker.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import jax
 import multihost_worker
 import numpy as np
 import pytest
+from helpers import scratch_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multihost")]
 
@@ -60,16 +62,28 @@ def _assert_close(actual: np.ndarray, expected: np.ndarray, name: str, rtol: flo
     assert err <= rtol * np.linalg.norm(expected), f"{name}: relative error {err / np.linalg.norm(expected):.3g}"
 
 
-@pytest.fixture(scope="module")
-def multihost_results(tmp_path_factory) -> list[dict[str, np.ndarray]]:
-    return _run_workers(tmp_path_factory.mktemp("multihost"))
+@functools.cache
+def _multihost_results() -> list[dict[str, np.ndarray]]:
+    return _run_workers(scratch_dir("multihost"))
 
 
-@pytest.fixture(scope="module")
-def single_process_results() -> dict[str, np.ndarray]:
+@pytest.fixture
+def multihost_results():
+    """_multihost_results, computed once per process (xdist may tear module fixtures down between tests)."""
+    return _multihost_results()
+
+
+@functools.cache
+def _single_process_results() -> dict[str, np.ndarray]:
     assert jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
     mesh = jax.make_mesh((jax.device_count(),), (multihost_worker.AXIS,))
     return multihost_worker.train_all(mesh) | multihost_worker.train_all_tp()
+
+
+@pytest.fixture
+def single_process_results():
+    """_single_process_results, computed once per process (xdist may tear module fixtures down between tests)."""
+    return _single_process_results()
 
 
 # Key prefixes and accumulation steps: data parallelism on the 1-D mesh, then the tensor-parallel runs.
