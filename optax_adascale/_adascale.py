@@ -160,11 +160,12 @@ def _fsdp_statistics(microbatch_stats: Any, accumulation_steps: int) -> bool:
             "microbatch_stats must be a MicrobatchStats (from value_and_grad, or the gradient of fsdp_probes), "
             f"got {type(microbatch_stats).__name__}"
         )
-    fsdp = microbatch_stats is not None and microbatch_stats.fsdp
-    if fsdp and (accumulation_steps != 1 or microbatch_stats.num_microbatches != 1):
+    if microbatch_stats is None or not microbatch_stats.fsdp:
+        return False
+    if accumulation_steps != 1 or microbatch_stats.num_microbatches != 1:
         raise ValueError("FSDP statistics (fsdp_probes) work with one sample per replica per update: "
                          f"got accumulation_steps={accumulation_steps}; use more data-parallel replicas")
-    return fsdp
+    return True
 
 
 def _preconditioner(precondition: Any, inner_state: Any, grads: Any, microbatch_stats: Any) -> list[Array] | None:
@@ -433,6 +434,7 @@ def build(
         raise TypeError(f"precondition must be a function of inner's state, got precondition={precondition!r}")
     if precondition is not None and shard_optimizer_state is not None:
         raise ValueError("precondition is not supported with shard_optimizer_state")
+    reduction: _reduce.AllReduce | _reduce.ZeroRows
     if shard_optimizer_state is None:
         reduction = _reduce.AllReduce()
     else:

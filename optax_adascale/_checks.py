@@ -35,7 +35,8 @@ def _is_library(filename: str) -> bool:
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the user's line: the first frame outside this package and the
     libraries between it and the user (optax chains, Flax's ``TrainState``, JAX's transformations)."""
-    frame, level = sys._getframe(0), 1
+    frame: Any = sys._getframe(0)
+    level = 1
     while frame is not None and _is_library(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
@@ -145,7 +146,7 @@ def _injected_schedule(value: Any) -> str | None:
     """
     if not hasattr(value, "dtype"):
         return None
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     for _ in range(12):
         if frame is None:
             return None

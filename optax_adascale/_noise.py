@@ -41,7 +41,7 @@ class NoiseScaleState(NamedTuple):
       tokens_per_example: float32 ``[]``, as given; NaN without it.
     """
 
-    count: Array
+    count: Array  # type: ignore[assignment]  # a field named like tuple.count, as optax's states do
     grad_sqr: Array
     grad_var: Array
     ema_weight: Array
@@ -187,8 +187,8 @@ def _update(axis_name, batch_size, smoothing, grads, state, params, stats) -> No
         return state._replace(examples_per_sample=examples)
 
     model = _collect.model_axes(grads, params, axis_name)
-    a = sum(model.mask([jnp.asarray(s, jnp.float32) for s in sq_leaves]))
-    b = sum(model.mask([_collect.leaf_sq_norm(g) for g in jax.tree.leaves(grads)]))
+    a: Any = sum(model.mask([jnp.asarray(s, jnp.float32) for s in sq_leaves]))
+    b: Any = sum(model.mask([_collect.leaf_sq_norm(g) for g in jax.tree.leaves(grads)]))
     if model.axes:
         a, b = model.psum((a, b))
     if axis_name is not None:

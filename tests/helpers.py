@@ -1,15 +1,66 @@
-"""Shared test fixtures: a tiny MLP and its synthetic data (not a test module)."""
+"""Shared test fixtures (not a test module): the optimizer, the replica step, the models and their data.
+
+* :func:`make_tx`: ``adascale_sgd(learning_rate, momentum=0.9, ...)``, the optimizer most tests train with.
+* :func:`replica_update` / :func:`replica_grads`: ``tx.update`` over replicas stacked on a leading axis
+  (a ``jax.vmap`` axis), and noisy per-replica gradients for a parameter tree.
+* The data-parallel MLP (:func:`init_mlp`, :func:`mlp_loss`, :func:`synthetic_batches`) and the tensor-parallel
+  one (``TP_*``: a ``(data=4, model=2)`` mesh, weights split over ``model``).
+* :func:`run_example`: an example script in a fresh interpreter.
+"""
 
 import functools
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
+
+import optax_adascale
+
+# --------------------------------------------------------------------------- the optimizer and the replica step
+
+
+def make_tx(learning_rate, **kw):
+    """``adascale_sgd(learning_rate, momentum=0.9, **kw)``."""
+    return optax_adascale.adascale_sgd(learning_rate, momentum=0.9, **kw)
+
+
+def replica_update(tx, *, axis_name="i", axis_size=None, jit=True, **extra):
+    """``(grads, state, params) -> (updates, state)`` with ``grads`` stacked over replicas on a leading vmap axis.
+
+    The state and params are shared (``in_axes=None``), the outputs replicated; ``extra`` goes to ``tx.update``.
+    """
+    update = jax.vmap(
+        lambda g, s, p: tx.update(g, s, p, **extra),
+        in_axes=(0, None, None),
+        out_axes=(None, None),
+        axis_name=axis_name,
+        axis_size=axis_size,
+    )
+    return jax.jit(update) if jit else update
+
+
+def replica_grads(params, n=4, seed=0):
+    """``1 + N(0, 1)`` gradients for ``n`` replicas, stacked on a leading axis, in each leaf's dtype."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), max(len(leaves), 1))
+    return treedef.unflatten(
+        [(1.0 + jax.random.normal(k, (n,) + jnp.shape(x))).astype(jnp.result_type(x)) for k, x in zip(keys, leaves)]
+    )
+
+
+def bits_equal(a, b) -> bool:
+    """Whether two trees hold bit-identical arrays."""
+    return jax.tree.all(jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b))
+
+
+# --------------------------------------------------------------------------- the data-parallel MLP
 
 DIM, CLASSES = 6, 3
 
@@ -36,6 +87,60 @@ def synthetic_batches(steps: int, n: int, rows: int, dim: int = DIM, classes: in
     x = jax.random.normal(kx, (steps, n, rows, dim))
     y = jax.random.randint(ky, (steps, n, rows), 0, classes)
     return np.asarray(x), np.asarray(y)
+
+
+# --------------------------------------------------------------------------- the tensor-parallel MLP
+
+TP_D, TP_H, TP_C = 8, 16, 4
+TP_ROWS, TP_STEPS = 4, 8
+TP_DATA, TP_MODEL = 4, 2
+TP_SCHEDULE = optax.exponential_decay(0.3, transition_steps=4, decay_rate=0.5)
+TP_MESH = jax.sharding.Mesh(np.array(jax.devices()).reshape(TP_DATA, TP_MODEL), ("data", "model"))  # Auto axes
+TP = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
+
+
+def init_tp_params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"w1": jax.random.normal(k1, (TP_D, TP_H)) * 0.5, "b1": jnp.zeros(TP_H),
+            "w2": jax.random.normal(k2, (TP_H, TP_C)) * 0.5, "b2": jnp.zeros(TP_C)}
+
+
+def full_loss(p, x, y):
+    """The tensor-parallel MLP on whole parameters."""
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], y).mean()
+
+
+def tp_loss(p, x, y):
+    """The same model on one ``model`` shard: column-parallel then row-parallel, one psum."""
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return optax.softmax_cross_entropy_with_integer_labels(jax.lax.psum(h @ p["w2"], "model") + p["b2"], y).mean()
+
+
+@functools.cache
+def tp_batches(samples: int):
+    """``(TP_STEPS, samples, TP_ROWS, TP_D)`` inputs and labels: update t, sample i."""
+    kx, ky = jax.random.split(jax.random.key(1))
+    return (np.asarray(jax.random.normal(kx, (TP_STEPS, samples, TP_ROWS, TP_D))),
+            np.asarray(jax.random.randint(ky, (TP_STEPS, samples, TP_ROWS), 0, TP_C)))
+
+
+def make_tp_tx(**kw):
+    """The tensor-parallel runs' optimizer: :func:`make_tx` over the ``data`` axis."""
+    return make_tx(TP_SCHEDULE, axis_name="data", **kw)
+
+
+def gain_and_tau(state):
+    m = optax_adascale.metrics(state)
+    return float(m["gain"]), float(m["scale_invariant_steps"])
+
+
+# --------------------------------------------------------------------------- examples
+
+
+def scratch_dir(name: str) -> Path:
+    """A fresh temporary directory for a run cached across tests (``tmp_path`` is per test)."""
+    return Path(tempfile.mkdtemp(prefix=f"optax_adascale_{name}_"))
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -7,7 +7,7 @@ One process of a multi-process run (what the test launches twice)::
 
 Without ``--coordinator`` it trains in a single process. The test imports :func:`train`
 to compute the single-process reference in its own (8-device) process, and
-:func:`run_processes` to launch them (``test_example_multihost.py`` launches the example with it).
+:func:`run_processes` to launch them (``test_multihost.py`` launches the example with it too).
 
 Every process builds the same global batches from a fixed seed and hands each device
 its rows with ``jax.make_array_from_callback``, so device ``i`` of the mesh sees the

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import optax
+import pytest
 
 import optax_adascale
 
@@ -56,6 +57,7 @@ def test_metrics_keys_are_the_pinned_ones_plus_documented_additions():
     assert all(f"``{key}``" in doc for key in set(m))
 
 
+@pytest.mark.slow  # starts an interpreter
 def test_importing_the_package_does_not_import_flax():
     code = "import sys, optax_adascale; assert 'flax' not in sys.modules, 'flax imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

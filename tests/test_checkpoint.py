@@ -6,10 +6,15 @@
 * The state accessors read a checkpoint restored without a target.
 * Elastic scaling: train at 8 replicas, resume at 4 or 16; the moving averages
   carry over, and the first resumed gain is the one the formula predicts.
+* A tensor-parallel run (``helpers.TP``: a ``(data=4, model=2)`` mesh, weights split over
+  ``model``) saves sharded params and state and restores them onto abstract targets with
+  shardings: onto the same mesh (bit-identical resume, also mid-accumulation) and onto a
+  ``(data=2, model=2)`` mesh, where it goes on like the unsharded run at S = 2.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -18,6 +23,22 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from helpers import (
+    TP,
+    TP_D,
+    TP_DATA,
+    TP_H,
+    TP_MESH,
+    TP_MODEL,
+    full_loss,
+    gain_and_tau,
+    init_tp_params,
+    make_tp_tx,
+    make_tx,
+    scratch_dir,
+    tp_batches,
+    tp_loss,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -47,9 +68,9 @@ def batch(call: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def make_tx(n_replicas: int, accumulation_steps: int = 1):
+def tx_for(n_replicas: int, accumulation_steps: int = 1):
     axis = None if n_replicas == 1 else AXIS
-    return optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, axis_name=axis, accumulation_steps=accumulation_steps)
+    return make_tx(SCHEDULE, axis_name=axis, accumulation_steps=accumulation_steps)
 
 
 class Replicas:
@@ -141,7 +162,7 @@ def n_replicas(mode: str) -> int:
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpoint_mid_accumulation_resumes_bit_identically(tmp_path, mode):
     n, k = n_replicas(mode), 4
-    replicas = Replicas(mode, n, make_tx(n, accumulation_steps=k))
+    replicas = Replicas(mode, n, tx_for(n, accumulation_steps=k))
     params, opt_state = replicas.init(init_params())
 
     # Uninterrupted: 3 updates of 4 calls each.
@@ -178,14 +199,14 @@ _STATISTICS = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var",
 
 def test_transfer_state_to_new_accumulation_steps_after_restore(tmp_path):
     n, old_k, new_k = 4, 4, 2
-    old = Replicas("vmap", n, make_tx(n, accumulation_steps=old_k))
+    old = Replicas("vmap", n, tx_for(n, accumulation_steps=old_k))
     params, opt_state = old.init(init_params())
     params, opt_state, _ = old.run(params, opt_state, range(2 * old_k))  # two updates: a boundary
     save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
 
     # Restore with the configuration that wrote the checkpoint, then move to the new one.
     restored = restore(tmp_path / "ckpt", dict(zip(("params", "opt_state"), old.init(init_params()), strict=True)))
-    new = Replicas("vmap", n, make_tx(n, accumulation_steps=new_k))
+    new = Replicas("vmap", n, tx_for(n, accumulation_steps=new_k))
     _, template = new.init(restored["params"])
     moved = optax_adascale.transfer_state(restored["opt_state"], template)
     source, state = optax_adascale.get_adascale_state(restored["opt_state"]), optax_adascale.get_adascale_state(moved)
@@ -198,7 +219,7 @@ def test_transfer_state_to_new_accumulation_steps_after_restore(tmp_path):
 
     # Independent reference: 4 replicas × 2 calls is n = 8 samples per update, i.e. 8 vmap
     # replicas with no accumulation, whose state is the old statistics without buffers.
-    flat = Replicas("vmap", n * new_k, make_tx(n * new_k))
+    flat = Replicas("vmap", n * new_k, tx_for(n * new_k))
     ref_state = flat.tx.init(restored["params"])._replace(**{f: getattr(source, f) for f in _STATISTICS})
     ref_params, ref_gains = restored["params"], []
     for update in range(2):
@@ -221,14 +242,14 @@ def test_transfer_state_to_new_accumulation_steps_after_restore(tmp_path):
 
 
 def test_transfer_state_takes_a_checkpoint_restored_without_target_onto_new_devices(tmp_path):
-    old = Replicas("vmap", 4, make_tx(4, accumulation_steps=2))
+    old = Replicas("vmap", 4, tx_for(4, accumulation_steps=2))
     params, opt_state = old.init(init_params())
     params, opt_state, _ = old.run(params, opt_state, range(4))
     save(tmp_path / "ckpt", {"opt_state": opt_state})
     raw = restore(tmp_path / "ckpt")["opt_state"]  # plain dicts and lists
 
     device = jax.devices()[3]
-    template = jax.device_put(make_tx(4, accumulation_steps=4).init(init_params()), device)
+    template = jax.device_put(tx_for(4, accumulation_steps=4).init(init_params()), device)
     moved = optax_adascale.transfer_state(raw, template)
     assert jax.tree.structure(moved) == jax.tree.structure(template)
     assert all(leaf.devices() == {device} for leaf in jax.tree.leaves(moved))
@@ -238,12 +259,12 @@ def test_transfer_state_takes_a_checkpoint_restored_without_target_onto_new_devi
 
 
 def test_transfer_state_refuses_a_restored_mid_accumulation_state(tmp_path):
-    old = Replicas("vmap", 4, make_tx(4, accumulation_steps=4))
+    old = Replicas("vmap", 4, tx_for(4, accumulation_steps=4))
     params, opt_state = old.init(init_params())
     params, opt_state, _ = old.run(params, opt_state, range(5))
     save(tmp_path / "ckpt", {"opt_state": opt_state})
     restored = restore(tmp_path / "ckpt", {"opt_state": old.init(init_params())[1]})
-    _, template = Replicas("vmap", 4, make_tx(4, accumulation_steps=2)).init(params)
+    _, template = Replicas("vmap", 4, tx_for(4, accumulation_steps=2)).init(params)
     with pytest.raises(ValueError, match="mid-accumulation"):
         optax_adascale.transfer_state(restored["opt_state"], template)
 
@@ -254,7 +275,7 @@ def test_transfer_state_refuses_a_restored_mid_accumulation_state(tmp_path):
 @pytest.mark.parametrize(
     "make",
     [
-        pytest.param(lambda: make_tx(4, accumulation_steps=2), id="accumulation"),
+        pytest.param(lambda: tx_for(4, accumulation_steps=2), id="accumulation"),
         pytest.param(
             lambda: optax.chain(
                 optax.clip_by_global_norm(10.0),
@@ -308,7 +329,7 @@ def _as_0_1_0_checkpoint(state: AdaScaleState) -> dict[str, Any]:
 
 
 def test_a_checkpoint_written_with_the_0_1_0_field_names_restores_and_resumes(tmp_path):
-    replicas = Replicas("vmap", 4, make_tx(4))
+    replicas = Replicas("vmap", 4, tx_for(4))
     params, opt_state = replicas.init(init_params())
     params, opt_state, _ = replicas.run(params, opt_state, range(5))
     save(tmp_path / "ckpt", {"params": params, "opt_state": _as_0_1_0_checkpoint(opt_state)})
@@ -380,7 +401,7 @@ def _expected_gain(prev: AdaScaleState, grads: np.ndarray) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def trained_at_8(tmp_path_factory):
     """Five updates at 8 replicas (shard_map over 8 devices), checkpointed."""
-    replicas = Replicas("shard_map", 8, make_tx(8))
+    replicas = Replicas("shard_map", 8, tx_for(8))
     params, opt_state = replicas.init(init_params())
     params, opt_state, gains = replicas.run(params, opt_state, range(5))
     path = tmp_path_factory.mktemp("elastic") / "ckpt"
@@ -395,7 +416,7 @@ def test_elastic_resume_carries_statistics_and_matches_in_process_rescale(traine
     assert int(before.count) == 5 and float(before.scale) == 8
 
     # Resume from the checkpoint at the new replica count: the new configuration's fresh state is the target.
-    replicas = Replicas(mode, n, make_tx(n))
+    replicas = Replicas(mode, n, tx_for(n))
     restored = restore(path, dict(zip(("params", "opt_state"), replicas.init(init_params()), strict=True)))
     resumed = optax_adascale.get_adascale_state(restored["opt_state"])
     for field in _STATISTICS:  # no reset
@@ -425,14 +446,14 @@ def test_elastic_resume_carries_statistics_and_matches_in_process_rescale(traine
 def test_elastic_resume_with_accumulation_buffers_goes_through_transfer_state(tmp_path):
     # 8 devices × 2 calls per update, checkpointed at an update boundary; resumed on 4 devices × 2 calls.
     k = 2
-    old = Replicas("shard_map", 8, make_tx(8, accumulation_steps=k))
+    old = Replicas("shard_map", 8, tx_for(8, accumulation_steps=k))
     params, opt_state = old.init(init_params())
     params, opt_state, _ = old.run(params, opt_state, range(3 * k))
     save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
 
     # The buffers' shape depends on the replica count, so restore the *old* layout (abstractly, straight
     # onto the new devices), then move its statistics into the new layout's fresh state.
-    new = Replicas("shard_map", 4, make_tx(4, accumulation_steps=k))
+    new = Replicas("shard_map", 4, tx_for(4, accumulation_steps=k))
     old_layout = jax.eval_shape(lambda p: old.init(p), init_params())
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=new.replicated), old_layout)
     restored = restore(tmp_path / "ckpt", dict(zip(("params", "opt_state"), target, strict=True)))
@@ -454,3 +475,175 @@ def test_elastic_resume_with_accumulation_buffers_goes_through_transfer_state(tm
     for field, value in _expected_gain(before, grads).items():
         np.testing.assert_allclose(float(getattr(after, field)), value, rtol=1e-5, err_msg=field)
     assert int(after.count) == 4 and float(after.scale) == 8
+
+
+# --------------------------------------------------------------------------- tensor-parallel checkpoints
+
+SAVED_AT, RESUMED = 4, 3  # updates before the checkpoint, updates after it
+MESH_2x2 = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+
+
+def tp_place(params, mesh):
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, TP)
+
+
+def tp_fresh(tx, mesh, accumulation: int = 1):
+    """Params split over ``model`` on ``mesh``, their state, and the state's partition specs."""
+    params = tp_place(init_tp_params(), mesh)
+    state = tx.init(params)
+    if accumulation > 1:
+        state = optax_adascale.replicate_buffers(state, mesh.shape["data"], model_shards=mesh.shape["model"])
+    specs = optax_adascale.state_partition_specs(state, "data", TP, tx=tx)
+    return params, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), specs
+
+
+@functools.cache
+def tp_step(mesh, accumulation: int = 1):
+    """One call of the TP training step under shard_map over ``mesh``; returns ``(tx, step, specs)``."""
+    tx = make_tp_tx(accumulation_steps=accumulation)
+    _, _, specs = tp_fresh(tx, mesh, accumulation)
+
+    def step(params, state, x, y):
+        p = jax.lax.pcast(params, "data", to="varying")
+        updates, state = tx.update(jax.grad(tp_loss)(p, x[0], y[0]), state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.shard_map(step, mesh=mesh, in_specs=(TP, specs, P("data"), P("data")), out_specs=(TP, specs))
+    return tx, jax.jit(step), specs
+
+
+def tp_abstract(tree, specs, mesh):
+    """The restore target: ``tree``'s shapes and dtypes with ``specs`` on ``mesh``."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)), tree, specs
+    )
+
+
+def tp_run(step, params, state, xs, ys):
+    """One call per ``(x, y)``; the ``(gain, τ)`` after each."""
+    log = []
+    for x, y in zip(xs, ys, strict=True):
+        params, state = step(params, state, x, y)
+        log.append(gain_and_tau(state))
+    return params, state, log
+
+
+def tp_checkpoint(test):
+    """The tests of the saved TP run (> 10 s on a 2-core CPU): slow, and on one xdist worker, which saves it once."""
+    return pytest.mark.slow(pytest.mark.xdist_group("tp_checkpoint")(test))
+
+
+def momentum_of(state):
+    return optax.tree.get(state, "trace")
+
+
+def assert_same_shardings(tree, target) -> None:
+    for (path, a), t in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(target), strict=True):
+        assert a.sharding.is_equivalent_to(t.sharding, a.ndim), jax.tree_util.keystr(path)
+
+
+
+@functools.cache
+def _tp_saved():
+    """``SAVED_AT`` TP updates on the (4, 2) mesh, checkpointed; returns the path and the in-memory run."""
+    tx, step, specs = tp_step(TP_MESH)
+    params, state, _ = tp_fresh(tx, TP_MESH)
+    x, y = tp_batches(TP_DATA)
+    params, state, log = tp_run(step, params, state, x[:SAVED_AT], y[:SAVED_AT])
+    assert int(state.count) == SAVED_AT and float(state.scale) == TP_DATA and min(g for g, _ in log) > 1
+    path = scratch_dir("tp") / "ckpt"
+    save(path, {"params": params, "opt_state": state})
+    return path, params, state, specs
+
+
+@pytest.fixture
+def tp_saved():
+    """_tp_saved, computed once per process (xdist may tear module fixtures down between tests)."""
+    return _tp_saved()
+
+
+@tp_checkpoint
+def test_tp_checkpoint_resumes_bit_identically_on_the_same_mesh(tp_saved):
+    path, params, state, specs = tp_saved
+    _, step, _ = tp_step(TP_MESH)
+    target = {"params": tp_abstract(params, TP, TP_MESH), "opt_state": tp_abstract(state, specs, TP_MESH)}
+    restored = restore(path, target)
+    assert isinstance(restored["opt_state"], optax_adascale.AdaScaleState)
+    assert_trees_equal(restored, {"params": params, "opt_state": state})
+    assert_same_shardings(restored, target)
+    momentum = momentum_of(restored["opt_state"])["w1"]
+    assert momentum.sharding.spec == TP["w1"] and momentum.addressable_shards[0].data.shape == (TP_D, TP_H // 2)
+
+    x, y = tp_batches(TP_DATA)
+    later = slice(SAVED_AT, SAVED_AT + RESUMED)
+    p_r, s_r, log_r = tp_run(step, restored["params"], restored["opt_state"], x[later], y[later])
+    p_k, s_k, log_k = tp_run(step, params, state, x[later], y[later])  # never stopped
+    assert_trees_equal(p_r, p_k)
+    assert_trees_equal(s_r, s_k)
+    assert log_r == log_k
+
+
+@tp_checkpoint
+def test_tp_checkpoint_restores_onto_fewer_replicas_and_matches_the_unsharded_run(tp_saved):
+    path, params, state, _ = tp_saved
+    tx, step, specs = tp_step(MESH_2x2)
+    assert jax.tree.leaves(specs) == jax.tree.leaves(tp_saved[3])  # the layout does not depend on the data size
+    target = {"params": tp_abstract(params, TP, MESH_2x2), "opt_state": tp_abstract(state, specs, MESH_2x2)}
+    restored = restore(path, target)
+    assert_trees_equal(restored, {"params": params, "opt_state": state})
+    assert_same_shardings(restored, target)
+    assert restored["params"]["w1"].sharding.device_set == set(MESH_2x2.devices.flat)
+
+    n = MESH_2x2.shape["data"]
+    x, y = tp_batches(TP_DATA)
+    later = slice(SAVED_AT, SAVED_AT + RESUMED)
+    xs, ys = x[later, :n], y[later, :n]  # update t: the first n samples
+    p_r, s_r, log_r = tp_run(step, restored["params"], restored["opt_state"], xs, ys)
+    assert float(s_r.scale) == n and int(s_r.count) == SAVED_AT + RESUMED
+
+    # The truth: the unsharded run, n replicas as a vmap axis, from the saved params and statistics.
+    def ref_step(params, state, x, y):
+        updates, state = tx.update(jax.grad(full_loss)(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+
+    ref_step = jax.jit(jax.vmap(ref_step, in_axes=(None, None, 0, 0), out_axes=(None, None), axis_name="data"))
+    p_ref, s_ref, log_ref = tp_run(ref_step, jax.device_get(params), jax.device_get(state), xs, ys)
+    np.testing.assert_allclose(np.array(log_r), np.array(log_ref), rtol=1e-5)
+    assert min(g for g, _ in log_ref) > 1.0  # the gains are not trivially 1
+    for name in p_ref:
+        np.testing.assert_allclose(np.asarray(p_r[name]), p_ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    for name, m in momentum_of(s_ref).items():
+        np.testing.assert_allclose(np.asarray(momentum_of(s_r)[name]), m, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow  # > 10 s on a 2-core CPU
+def test_tp_checkpoint_mid_accumulation_resumes_bit_identically(tmp_path):
+    k = 2
+    tx, step, specs = tp_step(TP_MESH, accumulation=k)
+    params, state, _ = tp_fresh(tx, TP_MESH, k)
+    x, y = tp_batches(TP_DATA * k)
+    # Update t, call c: replica r takes sample r·k + c.
+    xs = [x[t, c::k] for t in range(3) for c in range(k)]
+    ys = [y[t, c::k] for t in range(3) for c in range(k)]
+    mid = 3  # an odd call: one update applied, one call in the buffers
+
+    p_ref, s_ref, log_ref = tp_run(step, params, state, xs, ys)
+    p_mid, s_mid, log_mid = tp_run(step, params, state, xs[:mid], ys[:mid])
+    assert int(s_mid.count) == 1 and int(s_mid.micro_step) == 1
+    assert s_mid.acc_grads["w1"].shape == (TP_DATA, TP_D, TP_H)
+    assert s_mid.acc_sq_norm.shape[:2] == (TP_DATA, TP_MODEL) and np.all(np.asarray(s_mid.acc_sq_norm) > 0)
+    save(tmp_path / "ckpt", {"params": p_mid, "opt_state": s_mid})
+
+    target = {"params": tp_abstract(p_mid, TP, TP_MESH), "opt_state": tp_abstract(s_mid, specs, TP_MESH)}
+    restored = restore(tmp_path / "ckpt", target)
+    assert_trees_equal(restored, {"params": p_mid, "opt_state": s_mid})
+    assert_same_shardings(restored, target)
+    buffers = restored["opt_state"].acc_grads["w1"]
+    assert buffers.sharding.spec == P("data", None, "model")
+    assert buffers.addressable_shards[0].data.shape == (1, TP_D, TP_H // TP_MODEL)
+
+    p_r, s_r, log_r = tp_run(step, restored["params"], restored["opt_state"], xs[mid:], ys[mid:])
+    assert_trees_equal(p_r, p_ref)
+    assert_trees_equal(s_r, s_ref)
+    assert log_mid + log_r == log_ref
+    assert int(s_r.count) == 3 and int(s_r.micro_step) == 0

@@ -3,8 +3,8 @@
 On a fixed stream of replica gradients the moving averages do not depend on the
 parameters, so both modes see the same averages; the delayed mode applies each
 gain one update later. τ, the learning rate and the updates follow from the
-applied gain; the skip still zeroes every replica's update; every parallel path
-agrees with the vmap run.
+applied gain; the skip still zeroes every replica's update. (That every parallel path
+agrees with the vmap run with ``delayed_gain=True`` is in ``test_parallel.py``.)
 """
 
 import jax
@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import test_parallel
 
 import optax_adascale
 
@@ -98,27 +97,3 @@ def test_a_non_finite_replica_zeroes_every_update_and_keeps_the_state(bad):
         assert int(s.skipped_steps) == 1 and int(s.skip_streak) == 1
         same = s._replace(skipped_steps=state.skipped_steps, skip_streak=state.skip_streak)
         jax.tree.map(np.testing.assert_array_equal, same, state)
-
-
-DELAYED_PATHS = ("pmap", "shard_map", "accumulation_steps=8", "within-step 8 microbatches",
-                 "shard_map 4 x accumulation 2", "shard_map 4 x 2 microbatches")
-
-
-@pytest.fixture(scope="module")
-def delayed_parallel():
-    """test_parallel's runners with ``delayed_gain=True``."""
-    patch = pytest.MonkeyPatch()
-    original = test_parallel.make_tx
-    patch.setattr(test_parallel, "make_tx", lambda **kw: original(delayed_gain=True, **kw))
-    yield {"vmap": test_parallel.run_vmap(), **{name: test_parallel.PATHS[name]() for name in DELAYED_PATHS}}
-    patch.undo()
-
-
-@pytest.mark.parametrize("path", DELAYED_PATHS)
-def test_every_parallel_path_matches_vmap_with_delayed_gain(path, delayed_parallel):
-    ref_params, ref_log = delayed_parallel["vmap"]
-    params, log = delayed_parallel[path]
-    np.testing.assert_allclose(np.array(log), np.array(ref_log), rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert np.array(ref_log)[0, 0] == 1.0  # the first update used gain 1

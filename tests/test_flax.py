@@ -7,8 +7,6 @@ the samples come from 8 shard_map/pmap/vmap replicas, micro-batches, or calls.
 """
 
 import functools
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -18,7 +16,7 @@ import optax
 import pytest
 from flax import jax_utils, nnx
 from flax.training import train_state as flax_train_state
-from helpers import synthetic_batches
+from helpers import make_tx, synthetic_batches
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
@@ -54,10 +52,6 @@ def data():
     return synthetic_batches(STEPS, N, ROWS, DIM, CLASSES)
 
 
-def make_tx(**kw):
-    return optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, **kw)
-
-
 def trace(opt_state):
     m = optax_adascale.metrics(opt_state)
     return float(m["gain"]), float(m["scale_invariant_steps"])
@@ -66,7 +60,7 @@ def trace(opt_state):
 @functools.cache
 def reference_loop(samples_per_update=N):
     """Hand-written optax on one device: each update accumulates ``samples_per_update`` calls of ROWS rows."""
-    tx = make_tx(accumulation_steps=samples_per_update)
+    tx = make_tx(SCHEDULE, accumulation_steps=samples_per_update)
     params = init_params()
     opt_state = tx.init(params)
 
@@ -93,17 +87,12 @@ def assert_same_training(params, log, ref_params, ref_log):
 # --------------------------------------------------------------------------- packaging
 
 
-def test_importing_optax_adascale_does_not_import_flax():
-    code = "import sys, optax_adascale; assert 'flax' not in sys.modules, 'flax imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 # --------------------------------------------------------------------------- Linen TrainState
 
 
 def test_train_state_without_extra_args_equals_flax_train_state():
     x, y = data()
-    tx = make_tx(accumulation_steps=2)
+    tx = make_tx(SCHEDULE, accumulation_steps=2)
     ours = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=tx)
     theirs = flax_train_state.TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=tx)
     step = jax.jit(lambda state, x, y: state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y)))
@@ -116,10 +105,10 @@ def test_train_state_without_extra_args_equals_flax_train_state():
 
 def test_train_state_forwards_microbatch_stats_to_tx_update():
     x, y = data()
-    tx = make_tx()
+    tx = make_tx(SCHEDULE)
     state = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=tx)
     params, opt_state = init_params(), tx.init(init_params())
-    grad_fn = optax_adascale.value_and_microbatch_grad(loss_fn, N)
+    grad_fn = optax_adascale.value_and_grad(loss_fn, num_microbatches=N)
 
     @jax.jit
     def train_state_step(state, x, y):
@@ -145,7 +134,7 @@ def test_train_state_field_keywords_replace_fields_and_are_not_forwarded():
     class StateWithStats(TrainState):
         batch_stats: dict
 
-    tx = make_tx(accumulation_steps=2)  # tx.update would reject an unknown keyword
+    tx = make_tx(SCHEDULE, accumulation_steps=2)  # tx.update would reject an unknown keyword
     state = StateWithStats.create(apply_fn=MODEL.apply, params=init_params(), tx=tx, batch_stats={"mean": 0.0})
     grads = jax.tree.map(jnp.ones_like, state.params)
     state = state.apply_gradients(grads=grads, batch_stats={"mean": 1.0})
@@ -155,7 +144,7 @@ def test_train_state_field_keywords_replace_fields_and_are_not_forwarded():
 
 def test_metrics_and_tau_read_a_train_state():
     x, y = data()
-    state = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=make_tx(accumulation_steps=2))
+    state = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=make_tx(SCHEDULE, accumulation_steps=2))
     step = jax.jit(lambda state, x, y: state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y)))
     for t in range(4):
         state = step(state, x[0, t], y[0, t])
@@ -170,7 +159,7 @@ def test_metrics_and_tau_read_a_train_state():
 
 def test_train_state_in_shard_map_matches_optax_loop():
     mesh = jax.sharding.Mesh(np.array(jax.devices()), (AXIS,))
-    state = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=make_tx(axis_name=AXIS))
+    state = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=make_tx(SCHEDULE, axis_name=AXIS))
 
     def replica_step(state, x, y):
         # Mark params varying, else shard_map's autodiff returns gradients summed over AXIS.
@@ -190,8 +179,8 @@ def test_train_state_in_shard_map_matches_optax_loop():
 def test_train_state_microbatch_stats_in_shard_map_matches_optax_loop():
     """8 replicas × 2 micro-batches per step = 16 samples per update."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()), (AXIS,))
-    state = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=make_tx(axis_name=AXIS))
-    grad_fn = optax_adascale.value_and_microbatch_grad(loss_fn, num_microbatches=2)
+    state = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=make_tx(SCHEDULE, axis_name=AXIS))
+    grad_fn = optax_adascale.value_and_grad(loss_fn, num_microbatches=2)
 
     def replica_step(state, x, y):
         params = jax.lax.pcast(state.params, AXIS, to="varying")
@@ -208,7 +197,7 @@ def test_train_state_microbatch_stats_in_shard_map_matches_optax_loop():
 
 
 def test_train_state_in_pmap_matches_optax_loop():
-    state = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=make_tx(axis_name=AXIS))
+    state = TrainState.create(apply_fn=MODEL.apply, params=init_params(), tx=make_tx(SCHEDULE, axis_name=AXIS))
     state = jax_utils.replicate(state)
 
     def replica_step(state, x, y):
@@ -260,7 +249,7 @@ def linen_params(model):
 
 def test_nnx_optimizer_with_accumulation_matches_optax_loop():
     model = NNXMLP.from_linen(init_params())
-    optimizer = nnx.Optimizer(model, make_tx(accumulation_steps=N), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_tx(SCHEDULE, accumulation_steps=N), wrt=nnx.Param)
 
     @nnx.jit
     def step(model, optimizer, x, y):
@@ -276,13 +265,13 @@ def test_nnx_optimizer_with_accumulation_matches_optax_loop():
 
 def test_nnx_optimizer_forwards_microbatch_stats():
     model = NNXMLP.from_linen(init_params())
-    optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_tx(SCHEDULE), wrt=nnx.Param)
 
     @nnx.jit
     def step(model, optimizer, x, y):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         loss = lambda params, x, y: nnx_loss(nnx.merge(graphdef, params, rest), x, y)  # noqa: E731
-        _, grads, stats = optax_adascale.value_and_microbatch_grad(loss, N)(params, x, y)
+        _, grads, stats = optax_adascale.value_and_grad(loss, num_microbatches=N)(params, x, y)
         optimizer.update(model, grads, microbatch_stats=stats)
 
     log = []
@@ -294,7 +283,7 @@ def test_nnx_optimizer_forwards_microbatch_stats():
 
 def test_nnx_metrics_are_plain_arrays():
     model = NNXMLP.from_linen(init_params())
-    optimizer = nnx.Optimizer(model, make_tx(accumulation_steps=2), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_tx(SCHEDULE, accumulation_steps=2), wrt=nnx.Param)
     x, y = data()
     step = nnx.jit(lambda model, optimizer, x, y: optimizer.update(model, nnx.grad(nnx_loss)(model, x, y)))
     for t in range(2):
@@ -325,7 +314,7 @@ def nnx_replica_step(graphdef, state, x, y, *, axis=None):
 @pytest.mark.parametrize("parallel", ["vmap", "shard_map"])
 def test_nnx_optimizer_over_a_replica_axis_matches_optax_loop(parallel):
     model = NNXMLP.from_linen(init_params())
-    optimizer = nnx.Optimizer(model, make_tx(axis_name=AXIS), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_tx(SCHEDULE, axis_name=AXIS), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
     if parallel == "vmap":
         step = jax.vmap(

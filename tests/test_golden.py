@@ -81,7 +81,7 @@ def run_within_step(updates_inputs):
     tx = optax_adascale.adascale_sgd(LR)
     params = linear_params()
     state = tx.init(params)
-    grad_fn = optax_adascale.value_and_microbatch_grad(sum_loss, num_microbatches=2)
+    grad_fn = optax_adascale.value_and_grad(sum_loss, num_microbatches=2)
 
     @jax.jit
     def step(state, x):

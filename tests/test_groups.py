@@ -49,7 +49,7 @@ def by_vmap_axis(param_labels):
 def by_microbatches(param_labels):
     tx = optax_adascale.adascale_sgd(LR, param_labels=param_labels)
     params = two_linear_params()
-    _, grads, stats = optax_adascale.value_and_microbatch_grad(sum_loss, 2)(params, MICROBATCHES)
+    _, grads, stats = optax_adascale.value_and_grad(sum_loss, num_microbatches=2)(params, MICROBATCHES)
     return tx.update(grads, tx.init(params), params, microbatch_stats=stats)
 
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import DIM, synthetic_batches
+from helpers import DIM, make_tx, synthetic_batches
 from helpers import init_mlp as init_params
 from helpers import mlp_loss as loss_fn
 from jax.sharding import AxisType, NamedSharding
@@ -40,7 +40,7 @@ def data():
 
 
 def make_replica_step(tx, microbatches, *, mark_varying):
-    grad_fn = optax_adascale.value_and_microbatch_grad(loss_fn, microbatches)
+    grad_fn = optax_adascale.value_and_grad(loss_fn, num_microbatches=microbatches)
 
     def replica_step(params, opt_state, x, y):
         p = jax.lax.pcast(params, AXIS, to="varying") if mark_varying else params
@@ -63,7 +63,7 @@ def gspmd_step(tx, microbatches=1):
 
 def train(step, place, microbatches=1):
     """Run STEPS updates; ``place(x)`` puts a (replicas, rows, ...) batch where the step wants it."""
-    tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, axis_name=AXIS)
+    tx = make_tx(SCHEDULE, axis_name=AXIS)
     params = init_params()
     opt_state = tx.init(params)
     step = step(tx, microbatches)
@@ -102,6 +102,7 @@ def assert_matches_shard_map(params, log, microbatches=1):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params)
 
 
+@pytest.mark.slow  # > 10 s on a 2-core CPU
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_gspmd_on_auto_mesh_matches_shard_map(microbatches):
     """8 samples per update: 8 replicas, or 4 replicas × 2 micro-batches."""
@@ -120,7 +121,7 @@ def test_gspmd_step_is_partitioned_with_one_all_reduce():
     """The vmap axis really spans the devices: the pmean became one cross-device all-reduce."""
     mesh = auto_mesh()
     sharding = NamedSharding(mesh, P(AXIS))
-    tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, axis_name=AXIS)
+    tx = make_tx(SCHEDULE, axis_name=AXIS)
     params = init_params()
     x, y = (jax.device_put(a[0], sharding) for a in data())
     text = _hlo.compiled_text(gspmd_step(tx), params, tx.init(params), x, y)
@@ -131,7 +132,7 @@ def test_gspmd_step_is_partitioned_with_one_all_reduce():
 def test_gspmd_state_types_are_stable_across_updates():
     mesh = auto_mesh()
     sharding = NamedSharding(mesh, P(AXIS))
-    tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, axis_name=AXIS)
+    tx = make_tx(SCHEDULE, axis_name=AXIS)
     params = jax.device_put(init_params(), NamedSharding(mesh, P()))
     opt_state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
     before = jax.tree.map(jax.typeof, opt_state)

@@ -4,10 +4,16 @@ Each process runs ``multihost_worker.py`` with ``jax.distributed.initialize`` on
 127.0.0.1; the results must agree across processes and with the same computation
 on 8 devices in this (single) process: data parallelism over a 1-D mesh, and tensor
 parallelism over a 2-D ``(data=4, model=2)`` mesh whose axes cross the processes.
+``examples/multihost.py --smoke`` runs the same way, launched as its docstring says.
+
+Every test here starts processes that bind a coordinator port: one ``xdist_group``, so that they run one after
+the other on one worker.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 from pathlib import Path
 
@@ -15,11 +21,16 @@ import jax
 import multihost_worker
 import numpy as np
 import pytest
+from helpers import scratch_dir
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multihost")]
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multihost.py"
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 4
-TIMEOUT_S = 100  # a hang (e.g. a process waiting for a peer that died) fails instead of blocking CI
+TIMEOUT_S = 300  # a hang (e.g. a process waiting for a peer that died) fails instead of blocking CI; generous:
+# under `pytest -n auto` the other workers share the cores
 
 
 def _run_workers(tmp_path: Path) -> list[dict[str, np.ndarray]]:
@@ -51,16 +62,28 @@ def _assert_close(actual: np.ndarray, expected: np.ndarray, name: str, rtol: flo
     assert err <= rtol * np.linalg.norm(expected), f"{name}: relative error {err / np.linalg.norm(expected):.3g}"
 
 
-@pytest.fixture(scope="module")
-def multihost_results(tmp_path_factory) -> list[dict[str, np.ndarray]]:
-    return _run_workers(tmp_path_factory.mktemp("multihost"))
+@functools.cache
+def _multihost_results() -> list[dict[str, np.ndarray]]:
+    return _run_workers(scratch_dir("multihost"))
 
 
-@pytest.fixture(scope="module")
-def single_process_results() -> dict[str, np.ndarray]:
+@pytest.fixture
+def multihost_results():
+    """_multihost_results, computed once per process (xdist may tear module fixtures down between tests)."""
+    return _multihost_results()
+
+
+@functools.cache
+def _single_process_results() -> dict[str, np.ndarray]:
     assert jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
     mesh = jax.make_mesh((jax.device_count(),), (multihost_worker.AXIS,))
     return multihost_worker.train_all(mesh) | multihost_worker.train_all_tp()
+
+
+@pytest.fixture
+def single_process_results():
+    """_single_process_results, computed once per process (xdist may tear module fixtures down between tests)."""
+    return _single_process_results()
 
 
 # Key prefixes and accumulation steps: data parallelism on the 1-D mesh, then the tensor-parallel runs.
@@ -123,3 +146,29 @@ def test_tensor_parallel_runs_match_data_parallelism_on_the_same_replicas(single
     for layout, k in multihost_worker.TP_RUNS:
         for key, value in multihost_worker.train(mesh, k, num_calls=multihost_worker.TP_NUM_CALLS).items():
             _assert_close(single_process_results[f"{layout}_k{k}_{key}"], value, f"{layout}_k{k}_{key}")
+
+
+# --------------------------------------------------------------------------- examples/multihost.py
+
+
+def test_multihost_example_smoke_runs_on_two_processes(tmp_path):
+    def command(pid: int, coordinator: str) -> list[str]:
+        return [
+            sys.executable,
+            EXAMPLE,
+            f"--coordinator={coordinator}",
+            f"--num-processes={NUM_PROCESSES}",
+            f"--process-id={pid}",
+            "--cpu-devices=4",
+            "--smoke",
+        ]
+
+    try:
+        outputs = multihost_worker.run_processes(command, NUM_PROCESSES, tmp_path, timeout=TIMEOUT_S)
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    assert "2 process(es), 8 devices (4 local): S = 8" in outputs[0]
+    done = re.search(r"done: (\d+) iterations at S = 8 for tau = ([\d.]+) base steps", outputs[0])
+    assert done, outputs[0]
+    assert float(done.group(2)) >= 40 and int(done.group(1)) < 40  # fewer iterations than base steps
+    assert "done:" not in outputs[1]  # only process 0 prints

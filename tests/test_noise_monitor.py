@@ -97,7 +97,7 @@ def _data():
 
 
 def _reduced_run(tx, params, xs, k, loss=_loss):
-    fn = optax_adascale.value_and_microbatch_grad(loss, k)
+    fn = optax_adascale.value_and_grad(loss, num_microbatches=k)
 
     @jax.jit
     def step(state, x):
@@ -114,7 +114,7 @@ def test_vmap_replicas_equal_the_reduced_path():
     params, xs = _data()
     ref = _reduced_run(optax_adascale.noise_scale_monitor(batch_size=32), params, xs, 8)
     tx = optax_adascale.noise_scale_monitor(axis_name="data", batch_size=32)
-    fn = optax_adascale.value_and_microbatch_grad(_loss, 2)
+    fn = optax_adascale.value_and_grad(_loss, num_microbatches=2)
 
     def step(state, x):  # x: this replica's 8 rows
         _, grads, stats = fn(params, x)
@@ -143,7 +143,7 @@ def test_shard_map_replicas_equal_the_reduced_path():
     ref = _reduced_run(optax_adascale.noise_scale_monitor(batch_size=32), params, xs, 8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
     tx = optax_adascale.noise_scale_monitor(axis_name="data", batch_size=32)
-    step = _shard_map_step(tx, params, optax_adascale.value_and_microbatch_grad(_loss, 2), mesh)
+    step = _shard_map_step(tx, params, optax_adascale.value_and_grad(_loss, num_microbatches=2), mesh)
     state = tx.init(params)
     for x in xs:
         _, state = step(state, x)
@@ -155,7 +155,7 @@ def test_unaveraged_gradients_under_shard_map_raise():
     params, xs = _data()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
     tx = optax_adascale.noise_scale_monitor(axis_name="data")
-    fn = optax_adascale.value_and_microbatch_grad(_loss, 2)
+    fn = optax_adascale.value_and_grad(_loss, num_microbatches=2)
 
     def step(state, x):
         _, grads, stats = fn(jax.lax.pcast(params, "data", to="varying"), x)
@@ -170,7 +170,7 @@ def test_adds_only_a_scalar_collective_to_the_users_step():
     params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
     x = jax.random.normal(jax.random.key(2), (64, 64))
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    fn = optax_adascale.value_and_microbatch_grad(lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2), 1)
+    fn = optax_adascale.value_and_grad(lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2), num_microbatches=1)
     texts = {}
     for name, tx in [("adamw", optax.adamw(1e-3)),
                      ("monitor", optax.chain(optax_adascale.noise_scale_monitor(axis_name="data"),
@@ -189,7 +189,7 @@ def test_adds_only_a_scalar_collective_to_the_users_step():
 
 def test_chained_with_adamw_leaves_its_updates_bit_identical():
     params, xs = _data()
-    fn = optax_adascale.value_and_microbatch_grad(_loss, 4)
+    fn = optax_adascale.value_and_grad(_loss, num_microbatches=4)
     plain = optax.adamw(1e-2, weight_decay=1e-2)
     chained = optax.chain(optax_adascale.noise_scale_monitor(batch_size=32), optax.adamw(1e-2, weight_decay=1e-2))
 
@@ -217,7 +217,7 @@ def test_chained_with_adamw_leaves_its_updates_bit_identical():
 
 def test_jit_compiles_once_and_keeps_state_types():
     params, xs = _data()
-    fn = optax_adascale.value_and_microbatch_grad(_loss, 4)
+    fn = optax_adascale.value_and_grad(_loss, num_microbatches=4)
     tx = optax.chain(optax_adascale.noise_scale_monitor(batch_size=32, tokens_per_example=8), optax.sgd(0.1))
     traces = []
 
@@ -325,7 +325,7 @@ def test_tensor_parallel_replicas_equal_the_reduced_path():
     ref = _reduced_run(optax_adascale.noise_scale_monitor(batch_size=32), params, xs, 8, _tp_loss)
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     tx = optax_adascale.noise_scale_monitor(axis_name="data", batch_size=32)
-    fn = optax_adascale.value_and_microbatch_grad(_tp_loss, 2)
+    fn = optax_adascale.value_and_grad(_tp_loss, num_microbatches=2)
     specs = {"w": P(None, "model"), "b": P()}
 
     def step(state, params, x):

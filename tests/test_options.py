@@ -5,13 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import replica_update
 
 import optax_adascale
-
-
-def vmapped(tx):
-    return jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i"))
-
 
 # --------------------------------------------------------------------------- noise scale
 
@@ -42,7 +38,7 @@ def test_noise_scale_is_infinite_for_pure_noise_and_zero_before_the_first_update
     tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i")
     params = jnp.zeros(2)
     assert float(optax_adascale.metrics(tx.init(params))["noise_scale"]) == 0.0
-    _, state = vmapped(tx)(jnp.array([[1.0, 0.0], [-1.0, 0.0]]), tx.init(params), params)  # mean exactly 0
+    _, state = replica_update(tx)(jnp.array([[1.0, 0.0], [-1.0, 0.0]]), tx.init(params), params)  # mean exactly 0
     assert float(optax_adascale.metrics(state)["grad_sqr"]) == 0.0
     assert float(optax_adascale.metrics(state)["noise_scale"]) == np.inf
 
@@ -56,7 +52,7 @@ def test_horizon_sets_the_memory_in_base_batch_steps():
     H = 3.0
     tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=H)
     params = jnp.zeros(2)
-    step = vmapped(tx)
+    step = replica_update(tx)
     _, state = step(jnp.array([[1.0, 0.0], [0.0, 1.0]]), tx.init(params), params)
     s1 = optax_adascale.get_adascale_state(state)
     var1, sqr1 = float(s1.grad_var), float(s1.grad_sqr)
@@ -79,7 +75,7 @@ def test_a_horizon_pair_gives_each_average_its_own_memory():
         tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=horizon)
         state = tx.init(params)
         for g in grads:
-            _, state = vmapped(tx)(g, state, params)
+            _, state = replica_update(tx)(g, state, params)
         runs[name] = optax_adascale.get_adascale_state(state)
     assert float(runs["pair"].grad_var) == pytest.approx(float(runs["long"].grad_var), rel=1e-6)
     assert float(runs["pair"].grad_sqr) == pytest.approx(float(runs["short"].grad_sqr), rel=1e-6)
@@ -91,7 +87,7 @@ def test_a_horizon_pair_gives_each_average_its_own_memory():
 def test_gain_exponent_scales_the_step_by_a_power_of_the_gain_and_tau_by_the_gain():
     tx = optax_adascale.experimental.adascale(optax.identity(), 0.1, axis_name="i", gain_exponent=0.5)
     params = jnp.zeros(2)
-    updates, state = vmapped(tx)(jnp.eye(2), tx.init(params), params)  # orthogonal: gain 2
+    updates, state = replica_update(tx)(jnp.eye(2), tx.init(params), params)  # orthogonal: gain 2
     m = optax_adascale.metrics(state)
     assert float(m["gain"]) == pytest.approx(2.0)
     np.testing.assert_allclose(updates, -np.sqrt(2.0) * 0.1 * np.array([0.5, 0.5]), rtol=1e-6)
@@ -109,8 +105,8 @@ def test_adam_preconditioned_statistics_match_a_hand_computation():
     params = jnp.zeros(2)
     first = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
     second = np.array([[2.0, 0.0], [0.0, 4.0]], np.float32)
-    _, state = vmapped(tx)(jnp.asarray(first), tx.init(params), params)
-    _, state = vmapped(tx)(jnp.asarray(second), state, params)
+    _, state = replica_update(tx)(jnp.asarray(first), tx.init(params), params)
+    _, state = replica_update(tx)(jnp.asarray(second), state, params)
 
     theta = 1 - n / 1000
     # Update 1: no second moment yet, P = 1. Orthogonal unit samples: a = mean ‖g_i‖² = 1,
@@ -157,12 +153,12 @@ def test_unbiased_sqr_averages_the_unfloored_estimate_and_floors_only_the_averag
     steps = [jnp.array([[1.0, 0.0], [-0.5, 0.5]]), jnp.array([[3.0, 4.0], [3.0, 4.0]])]
     for unbiased, first in ((False, 0.0), (True, -0.5)):
         tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", unbiased_sqr=unbiased)
-        _, state = vmapped(tx)(steps[0], tx.init(params), params)
+        _, state = replica_update(tx)(steps[0], tx.init(params), params)
         s = optax_adascale.get_adascale_state(state)
         assert float(s.grad_sqr) == pytest.approx(first, abs=1e-6)
         assert float(optax_adascale.metrics(state)["grad_sqr"]) == 0.0  # readers floor the average
         assert float(s.gain) == pytest.approx(2.0)  # μ̄² ≤ 0: pure noise, gain S
-        _, state = vmapped(tx)(steps[1], state, params)
+        _, state = replica_update(tx)(steps[1], state, params)
         s = optax_adascale.get_adascale_state(state)
         assert float(s.grad_sqr) == pytest.approx((theta * (1 - theta) * first + (1 - theta) * sqr2) / w2, rel=1e-6)
 
@@ -174,7 +170,7 @@ def test_adam_preconditioner_floor_keeps_a_coordinate_without_history_from_pinni
         tx = optax_adascale.experimental.adascale(optax.scale_by_adam(), 1e-3, axis_name="i",
                                      precondition=optax_adascale.experimental.adam_preconditioner(relative_floor=relative_floor))
         params, key = jnp.zeros(3), jax.random.key(0)
-        state, step = tx.init(params), vmapped(tx)
+        state, step = tx.init(params), replica_update(tx)
         for t in range(200):
             key, k = jax.random.split(key)
             g = 1.0 + jax.random.normal(k, (4, 3))
@@ -210,7 +206,7 @@ def test_adascale_adamw_scales_the_whole_adamw_step_by_the_gain():
     lr, wd, eps = 1e-2, 0.1, 1e-8
     params = jnp.array([2.0, -4.0])
     tx = optax_adascale.adascale_adamw(lr, weight_decay=wd, eps=eps, axis_name="i")
-    updates, state = vmapped(tx)(jnp.array([[1.0, 0.0], [0.0, 1.0]]), tx.init(params), params)
+    updates, state = replica_update(tx)(jnp.array([[1.0, 0.0], [0.0, 1.0]]), tx.init(params), params)
     mean = np.array([0.5, 0.5])
     expected = -2.0 * lr * (mean / (np.abs(mean) + eps) + wd * np.array([2.0, -4.0]))
     np.testing.assert_allclose(updates, expected, rtol=1e-4)  # Adam's 1 − β₂ᵗ in float32: 2e-5 relative

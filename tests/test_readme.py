@@ -3,17 +3,14 @@
 import pathlib
 import re
 
-import pytest
-
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_opens_with_the_main_job_and_the_test_command():
-    first_block = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1).splitlines()
-    assert first_block == [
-        'pip install -e ".[examples]" && python examples/train_mnist1d.py',
-        'pip install -e ".[test]" && pytest',
-    ]
+def test_readme_opens_with_a_command_for_the_main_job_and_one_for_the_tests():
+    # Not a pin of the text: the first block installs and runs the flagship, then installs and runs pytest.
+    main_job, tests = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1).splitlines()
+    assert main_job.startswith("pip install") and "examples/train_mnist1d.py" in main_job
+    assert tests.startswith("pip install") and tests.endswith("pytest")
 
 
 def test_readme_usage_example_trains_until_the_budget(capsys):
@@ -36,8 +33,6 @@ def test_readme_usage_example_trains_until_the_budget(capsys):
 def test_readme_gspmd_block_takes_each_data_shard_as_a_sample():
     import optax_adascale
 
-    if not hasattr(optax_adascale, "value_and_grad"):
-        pytest.skip("optax_adascale.value_and_grad (issue 17) is not on this branch yet")
     text = README.read_text()
     usage = text[text.index("## Usage") :]
     first, second = re.findall(r"```python\n(.*?)```", usage, re.S)[:2]

@@ -11,22 +11,23 @@ parameters to equal the unsharded run's.
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import TP, full_loss, make_tp_tx, tp_loss
+from helpers import TP_D as D
+from helpers import TP_DATA as DATA
+from helpers import TP_MESH as MESH
+from helpers import TP_MODEL as MODEL
+from helpers import gain_and_tau as log_of
+from helpers import init_tp_params as init_params
+from helpers import tp_batches as batches
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 from optax_adascale import _hlo
 
-D, H, C = 8, 16, 4
-ROWS, STEPS = 4, 8
-DATA, MODEL = 4, 2
-SCHEDULE = optax.exponential_decay(0.3, transition_steps=4, decay_rate=0.5)
-MESH = jax.sharding.Mesh(np.array(jax.devices()).reshape(DATA, MODEL), ("data", "model"))  # Auto axes
-TP = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
 LAYOUTS = {
     "tp": TP,
     "fsdp": {"w1": P(None, "data"), "b1": P("data"), "w2": P("data", None), "b2": P()},
@@ -34,44 +35,10 @@ LAYOUTS = {
 }
 
 
-def init_params():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {"w1": jax.random.normal(k1, (D, H)) * 0.5, "b1": jnp.zeros(H),
-            "w2": jax.random.normal(k2, (H, C)) * 0.5, "b2": jnp.zeros(C)}
-
-
-def full_loss(p, x, y):
-    h = jnp.tanh(x @ p["w1"] + p["b1"])
-    return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], y).mean()
-
-
-def tp_loss(p, x, y):
-    """The same model on one ``model`` shard: column-parallel then row-parallel, one psum."""
-    h = jnp.tanh(x @ p["w1"] + p["b1"])
-    return optax.softmax_cross_entropy_with_integer_labels(jax.lax.psum(h @ p["w2"], "model") + p["b2"], y).mean()
-
-
-@functools.cache
-def batches(samples: int):
-    """``(STEPS, samples, ROWS, D)`` inputs and labels: update t, sample i."""
-    kx, ky = jax.random.split(jax.random.key(1))
-    return (np.asarray(jax.random.normal(kx, (STEPS, samples, ROWS, D))),
-            np.asarray(jax.random.randint(ky, (STEPS, samples, ROWS), 0, C)))
-
-
-def make_tx(**kw):
-    return optax_adascale.adascale(optax.trace(0.9), SCHEDULE, axis_name="data", **kw)
-
-
-def log_of(state):
-    m = optax_adascale.metrics(state)
-    return float(m["gain"]), float(m["scale_invariant_steps"])
-
-
 @functools.cache
 def reference(samples: int):
     """The unsharded run: ``samples`` replicas as a vmap axis on one device."""
-    tx = make_tx()
+    tx = make_tp_tx()
 
     def step(params, state, x, y):
         updates, state = tx.update(jax.grad(full_loss)(params, x, y), state, params)
@@ -99,13 +66,13 @@ def assert_matches_reference(params, log, samples):
 
 def shard_map_tp(*, accumulation=1, micro=1, param_specs=None, check_vma=True):
     """Train under ``jax.shard_map`` over both axes; returns ``(params, log)``."""
-    tx = make_tx(accumulation_steps=accumulation, param_specs=param_specs)
+    tx = make_tp_tx(accumulation_steps=accumulation, param_specs=param_specs)
     params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(MESH, s)), init_params(), TP)
     state = tx.init(params)
     if accumulation > 1:
         state = optax_adascale.replicate_buffers(state, DATA, model_shards=MODEL)
     specs = optax_adascale.state_partition_specs(state, "data", TP, tx=tx)
-    grad_fn = optax_adascale.value_and_microbatch_grad(tp_loss, micro)
+    grad_fn = optax_adascale.value_and_grad(tp_loss, num_microbatches=micro)
 
     def step(params, state, x, y):
         p = jax.lax.pcast(params, "data", to="varying")
@@ -146,7 +113,7 @@ def _update_only(check_vma, param_specs):
     x, y = batches(DATA)
     params = init_params()
     full = jax.vmap(jax.grad(full_loss), in_axes=(None, 0, 0))(params, x[0], y[0])  # (DATA, ...) per replica
-    tx = make_tx(param_specs=param_specs)
+    tx = make_tp_tx(param_specs=param_specs)
     grad_specs = {k: P("data", *tuple(s)) for k, s in TP.items()}
 
     def step(params, state, grads):
@@ -159,10 +126,11 @@ def _update_only(check_vma, param_specs):
     return f(params, tx.init(params), full)
 
 
+@pytest.mark.slow  # > 10 s on a 2-core CPU
 def test_check_vma_false_with_param_specs_matches_the_unsharded_update():
     x, y = batches(DATA)
     params = init_params()
-    tx = make_tx()
+    tx = make_tp_tx()
     grads = jax.vmap(jax.grad(full_loss), in_axes=(None, 0, 0))(params, x[0], y[0])
     ref_updates, ref_state = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None),
                                       axis_name="data")(grads, tx.init(params), params)
@@ -178,7 +146,7 @@ def test_check_vma_false_without_param_specs_is_an_error_naming_param_specs():
 
 
 def test_a_replicated_parameter_pcast_over_model_is_an_error():
-    tx = make_tx()
+    tx = make_tp_tx()
     params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(MESH, s)), init_params(), TP)
 
     def step(params, state, x, y):
@@ -193,7 +161,7 @@ def test_a_replicated_parameter_pcast_over_model_is_an_error():
 
 
 def test_one_scalar_collective_over_model_beyond_the_gradient_reduction():
-    tx = make_tx()
+    tx = make_tp_tx()
     params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(MESH, s)), init_params(), TP)
     specs = optax_adascale.state_partition_specs(tx.init(params), "data", TP, tx=tx)
     texts = {}
@@ -220,7 +188,7 @@ def test_one_scalar_collective_over_model_beyond_the_gradient_reduction():
 
 
 def test_partial_manual_shard_map_with_tp_params_matches_the_unsharded_run():
-    tx = make_tx()
+    tx = make_tp_tx()
     params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(MESH, s)), init_params(), TP)
     state = tx.init(params)
 
@@ -244,7 +212,7 @@ def test_partial_manual_shard_map_with_tp_params_matches_the_unsharded_run():
 
 
 def gspmd_step(tx, micro=1, sgd=False):
-    grad_fn = optax_adascale.value_and_microbatch_grad(full_loss, micro)
+    grad_fn = optax_adascale.value_and_grad(full_loss, num_microbatches=micro)
 
     def step(params, state, x, y):
         if micro == 1:
@@ -267,7 +235,7 @@ def place(params, layout):
 @pytest.mark.parametrize("micro", [1, 2], ids=["plain", "micro2"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gspmd_sharded_params_match_the_unsharded_run(layout, micro):
-    tx = make_tx()
+    tx = make_tp_tx()
     params = place(init_params(), layout)
     state, log = tx.init(params), []
     step = gspmd_step(tx, micro)
@@ -281,7 +249,7 @@ def test_gspmd_sharded_params_match_the_unsharded_run(layout, micro):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gspmd_accumulation_matches_the_unsharded_run(layout):
-    tx = make_tx(accumulation_steps=2)
+    tx = make_tp_tx(accumulation_steps=2)
     params = place(init_params(), layout)
     state = optax_adascale.replicate_buffers(tx.init(params), DATA)
     axes = optax_adascale.state_axes(state)
@@ -306,7 +274,7 @@ def test_gspmd_adds_no_gradient_sized_collective_and_little_memory(layout):
     rows = NamedSharding(MESH, P("data"))
     xs, ys = jax.device_put(x[0], rows), jax.device_put(y[0], rows)
     texts, memory = {}, {}
-    for name, tx in {"adascale": make_tx(), "sgd": optax.sgd(0.1, momentum=0.9)}.items():
+    for name, tx in {"adascale": make_tp_tx(), "sgd": optax.sgd(0.1, momentum=0.9)}.items():
         step = gspmd_step(tx, sgd=name == "sgd")
         compiled = step.lower(params, tx.init(params), xs, ys).compile()
         texts[name], memory[name] = compiled.as_text(), compiled.memory_analysis()

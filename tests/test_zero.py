@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import DIM, synthetic_batches
+from helpers import DIM, make_tx, synthetic_batches
 from helpers import init_mlp as init_params
 from helpers import mlp_loss as loss_fn
 from jax.sharding import PartitionSpec as P
@@ -25,9 +25,9 @@ SCHEDULE = optax.exponential_decay(0.3, transition_steps=10, decay_rate=0.5)
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 
 
-def make_tx(zero, **kw):
-    return optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, weight_decay=1e-3, axis_name="data",
-                                       shard_optimizer_state=N if zero else None, **kw)
+def zero_tx(zero, **kw):
+    """:func:`helpers.make_tx` over ``data``, with the state sharded over the N replicas if ``zero``."""
+    return make_tx(SCHEDULE, weight_decay=1e-3, axis_name="data", shard_optimizer_state=N if zero else None, **kw)
 
 
 def record(state, log):
@@ -37,17 +37,16 @@ def record(state, log):
 
 def shard_map_run(zero, *, accumulation=1, micro=1, labels=None, dtype=jnp.float32, mesh=MESH):
     n = mesh.size
-    tx = make_tx(zero, accumulation_steps=accumulation, param_labels=labels)
+    tx = zero_tx(zero, accumulation_steps=accumulation, param_labels=labels)
     if zero:
-        tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, weight_decay=1e-3, axis_name="data",
-                                         shard_optimizer_state=n, accumulation_steps=accumulation,
-                                         param_labels=labels)
+        tx = make_tx(SCHEDULE, weight_decay=1e-3, axis_name="data", shard_optimizer_state=n,
+                     accumulation_steps=accumulation, param_labels=labels)
     params = jax.tree.map(lambda p: p.astype(dtype), init_params())
     state = tx.init(params)
     if accumulation > 1:
         state = optax_adascale.replicate_buffers(state, n)
     specs = optax_adascale.state_partition_specs(state, "data")
-    grad_fn = optax_adascale.value_and_microbatch_grad(loss_fn, micro)
+    grad_fn = optax_adascale.value_and_grad(loss_fn, num_microbatches=micro)
 
     def step(params, state, x, y):
         p = jax.lax.pcast(params, "data", to="varying")
@@ -99,12 +98,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+SLOW_CASES = {"plain", "accumulation2", "micro2"}  # > 10 s each on a 2-core CPU; "labels" stays in the fast loop
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in CASES])
 def test_sharded_state_under_shard_map_matches_the_replicated_update(case):
     kw = CASES[case]
     assert_same(shard_map_run(True, **kw), replicated(case, **kw))
 
 
+@pytest.mark.slow  # > 10 s on a 2-core CPU
 def test_sharded_state_with_bfloat16_params_matches_the_replicated_update():
     a = shard_map_run(True, dtype=jnp.bfloat16)
     b = replicated("bfloat16", dtype=jnp.bfloat16)
@@ -115,7 +118,7 @@ def test_sharded_state_with_bfloat16_params_matches_the_replicated_update():
 
 
 def test_sharded_state_under_pmap_matches_the_replicated_update():
-    tx = make_tx(True)
+    tx = zero_tx(True)
     params = init_params()
     state = tx.init(params)
     axes = optax_adascale.state_axes(state)
@@ -135,7 +138,7 @@ def test_sharded_state_under_pmap_matches_the_replicated_update():
 def test_leaf_sizes_are_not_all_divisible_by_the_replicas():
     sizes = [leaf.size for leaf in jax.tree.leaves(init_params())]
     assert any(size % N for size in sizes)
-    rows = optax_adascale.get_adascale_state(make_tx(True).init(init_params())).inner_state.rows
+    rows = optax_adascale.get_adascale_state(zero_tx(True).init(init_params())).inner_state.rows
     assert [t.shape for t in jax.tree.leaves(rows)] == [(N, -(-s // N)) for s in sizes]
 
 
@@ -175,7 +178,7 @@ def test_fairscale_oss_golden_gain():
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_non_finite_replica_zeroes_the_update_on_every_replica(bad):
-    tx = make_tx(True)
+    tx = zero_tx(True)
     params = init_params()
     state = tx.init(params)
     axes = optax_adascale.state_axes(state)
@@ -192,7 +195,7 @@ def test_a_non_finite_replica_zeroes_the_update_on_every_replica(bad):
 
 
 def compiled(zero: bool, params):
-    tx = make_tx(zero)
+    tx = zero_tx(zero)
     state = tx.init(params)
     specs = optax_adascale.state_partition_specs(state, "data")
     x = jnp.ones((N, ROWS, DIM))
@@ -313,7 +316,7 @@ def test_inject_hyperparams_and_a_state_transfer_onto_four_replicas():
 
 def fsdp_run(dtype=jnp.float32, probes_to_update=True):
     """Parameters in ZeRO rows, gathered for the forward pass; the probes carry the local squared norms."""
-    tx = make_tx(True)
+    tx = zero_tx(True)
     params = jax.tree.map(lambda p: p.astype(dtype), init_params())
     shapes = jax.eval_shape(lambda: params)
     state = tx.init(params)

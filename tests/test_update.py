@@ -1,4 +1,9 @@
-"""The generic checks of optax's own optimizer harnesses, run on our optimizers in three configurations.
+"""The optax contract for ``update``: optax's own optimizer checks in three configurations, then chaining and S = 1.
+
+Part 1 (after optax/contrib/_common_test.py and the other harnesses below) runs each check on two optimizers
+in three configurations; part 2 checks what is ours: the S = 1 identity, ``inject_hyperparams`` with static
+structural arguments, chaining and clipping around AdaScale, donation, and ``MultiSteps`` inside ``inner``.
+
 
 optax checks every optimizer it ships for the same properties (contrib/_common_test.py, _src/alias_test.py,
 transforms/_accumulation_test.py, _src/float64_test.py, _src/sharding_test.py): extra ``update`` keyword
@@ -22,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import replica_grads, replica_update
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -190,20 +196,35 @@ def train(setup, tx, problem, steps, noise=0.0):
 # --------------------------------------------------------------------------- 1. extra arguments
 
 
+def recording_inner(seen: list):
+    """``optax.trace(0.9)`` followed by a transformation that records the ``note`` extra argument it receives."""
+
+    def update(updates, state, params=None, *, note=None, **extra):
+        seen.append(note)
+        return updates, state
+
+    return optax.chain(optax.trace(0.9), optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update))
+
+
 @optimizers
 @setups
-def test_update_accepts_unexpected_extra_keyword_args_under_jit(optimizer, config):
+def test_update_accepts_unexpected_extra_keyword_args_under_jit_and_forwards_them_to_inner(optimizer, config):
     setup = Setup.of(config)
-    tx = setup.make(optimizer, 1e-3)
+    seen = []
+    inner = recording_inner(seen) if optimizer == "adascale_trace" else None
+    tx = setup.make(optimizer, 1e-3, inner=inner)
     params, _, loss = rosenbrock()
     state = setup.init(tx, params)
-    call = jit(setup.call(tx, state, unexpected_extra_arg=1))
+    seen.clear()  # init probes inner without extra arguments
+    call = jit(setup.call(tx, state, unexpected_extra_arg=1, note="hello"))
     for _ in range(2):
         for x in setup.inputs(descent_direction(loss, params), 0.01):
             updates, state = call(x, state, params)
             params = optax.apply_updates(params, updates)
     assert bool(jnp.all(jnp.isfinite(params)))
     assert int(optax_adascale.get_adascale_state(state).count) == 2
+    if inner is not None:  # inner saw the extra argument (when the call was traced)
+        assert seen and set(seen) == {"hello"}
 
 
 # --------------------------------------------------------------------------- 2. no recompilation
@@ -328,23 +349,28 @@ def test_inject_hyperparams_matches_the_plain_optimizer(optimizer, config):
 # --------------------------------------------------------------------------- 6. updates keep dtypes
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=["bfloat16", "float16", "float32"])
 @optimizers
 @setups
 def test_updates_keep_the_params_dtype(optimizer, config, dtype):
+    # Under strict dtype promotion (scoped to our code): no silent bf16/f16 -> f32 promotion anywhere.
     setup = Setup.of(config)
     tx = setup.make(optimizer)
     params = jnp.array([1.0, 2.0], dtype)
     grads = jax.grad(lambda p: jnp.sum(p**2))(params)
     assert grads.dtype == params.dtype
-    state = jit(tx.init)(params)
+    state0 = state = jit(tx.init)(params)
     call = jit(setup.call(tx, state))
-    for i, x in enumerate(setup.inputs(grads, 0.5)):
-        updates, state = call(x, state, params)
-        assert updates.dtype == params.dtype == grads.dtype
-        if i < setup.accumulation_steps - 1:  # a call that only accumulates returns exact zeros
-            np.testing.assert_array_equal(updates, jnp.zeros_like(params))
-    assert int(optax_adascale.get_adascale_state(state).count) == 1
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        for i, x in enumerate(setup.inputs(grads, 0.5)):
+            updates, state = call(x, state, params)
+            assert updates.dtype == params.dtype == grads.dtype
+            assert types(state) == types(state0)
+            if i < setup.accumulation_steps - 1:  # a call that only accumulates returns exact zeros
+                np.testing.assert_array_equal(updates, jnp.zeros_like(params))
+    s = optax_adascale.get_adascale_state(state)
+    assert int(s.count) == 1
+    assert s.gain.dtype == s.grad_var.dtype == jnp.float32  # statistics stay in float32
     assert not np.any(np.asarray(updates) == 0)
 
 
@@ -501,8 +527,11 @@ def test_state_types_match_across_init_update_and_jit_on_an_explicit_mesh(optimi
         pytest.skip("JAX 0.10.2 cannot lower lax.psum over a vmap axis of an array sharded on an Explicit mesh axis "
                     "under jit (ValueError: 'Sharding spec ... does not evenly divide'), AdaScale or not")
     with jax.set_mesh(mesh):
-        params = jnp.zeros((2, 8, 4), jnp.float16, out_sharding=P(None, "x"))
-        grads = jax.device_put(jnp.full((2, 8, 4), 0.5, jnp.float16), NamedSharding(mesh, P(None, "x")))
+        # A float16 leaf split over the mesh and a float32 leaf replicated on it.
+        params = {"w": jnp.zeros((2, 8, 4), jnp.float16, out_sharding=P(None, "x")),
+                  "b": jnp.zeros((8,), jnp.float32, out_sharding=P())}
+        grads = {"w": jax.device_put(jnp.full((2, 8, 4), 0.5, jnp.float16), NamedSharding(mesh, P(None, "x"))),
+                 "b": jax.device_put(jnp.full((8,), 0.5, jnp.float32), NamedSharding(mesh, P()))}
         eager_init = setup.init(tx, params)
         jit_init = jit(lambda p: setup.init(tx, p))(params)
         assert types(jit_init) == types(eager_init)
@@ -516,6 +545,10 @@ def test_state_types_match_across_init_update_and_jit_on_an_explicit_mesh(optimi
             assert types(jit_state) == types(eager_state)
             assert types(jit_updates) == types(eager_updates) == types(params)
         assert int(optax_adascale.get_adascale_state(eager_state).count) == 1
+        for x in setup.inputs(grads, 0.25):  # a second update from the first one's jitted output: same types
+            jit_updates, jit_state = jit_call(x, jit_state, params)
+            assert types(jit_state) == types(eager_init)
+        assert int(optax_adascale.get_adascale_state(jit_state).count) == 2
 
 
 # --------------------------------------------------------------------------- 12. mixed-precision accumulation
@@ -600,3 +633,145 @@ def test_complex_gain_statistics_use_the_squared_modulus(optimizer, config):
     np.testing.assert_allclose(m["grad_sqr"], 0.0, atol=1e-6)
     # u = −gain · lr · ḡ (the first momentum step is the gradient).
     np.testing.assert_allclose(updates, -2.0 * 0.1 * jnp.array([0.5 + 0.5j]), rtol=1e-6)
+
+
+# =========================================================================== part 2: chaining, S = 1, donation
+
+
+def params_tree(dtype=jnp.float32):
+    return {"a": jnp.array([1.0, -2.0, 3.0], dtype), "b": {"c": jnp.array([[0.5, -0.5]], dtype)}}
+
+
+def assert_same_updates(tx_a, tx_b, *, steps, rtol):
+    """Train both transformations on the same single-replica gradients; updates must agree every step."""
+    params = params_tree()
+    s_a, s_b = tx_a.init(params), tx_b.init(params)
+    for seed in range(steps):
+        grads = jax.tree.map(lambda x: x[0], replica_grads(params, n=1, seed=seed))
+        u_a, s_a = jax.jit(tx_a.update)(grads, s_a, params)
+        u_b, s_b = jax.jit(tx_b.update)(grads, s_b, params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=0), u_a, u_b)
+        params = optax.apply_updates(params, u_a)
+    return s_a, s_b
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 3])
+def test_state_leaves_are_distinct_buffers_and_donation_works(accumulation_steps):
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, accumulation_steps=accumulation_steps, axis_name="i")
+    params = params_tree()
+    for state in (tx.init(params), jax.jit(tx.init)(params)):
+        pointers = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(state)]
+        assert len(set(pointers)) == len(pointers)
+    state = optax_adascale.replicate_buffers(jax.jit(tx.init)(params), 4)
+    axes = optax_adascale.state_axes(state)
+    update = jax.vmap(lambda g, s, p: tx.update(g, s, p), in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")
+    step = jax.jit(update, donate_argnums=1)
+    for seed in range(2 * accumulation_steps):
+        old_leaves = jax.tree.leaves(state)
+        _, state = step(replica_grads(params, seed=seed), state, params)
+        assert all(leaf.is_deleted() for leaf in old_leaves)  # every state buffer was donated
+    assert int(optax_adascale.get_adascale_state(state).count) == 2
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_scale_one_is_exactly_the_inner_optimizer(nesterov):
+    schedule = optax.exponential_decay(0.1, transition_steps=3, decay_rate=0.5)
+    ours = optax_adascale.adascale_sgd(schedule, momentum=0.9, nesterov=nesterov, weight_decay=1e-2)
+    theirs = optax.chain(optax.add_decayed_weights(1e-2), optax.sgd(schedule, momentum=0.9, nesterov=nesterov))
+    s_ours, _ = assert_same_updates(ours, theirs, steps=7, rtol=1e-7)
+    m = optax_adascale.metrics(s_ours)
+    assert float(m["gain"]) == 1.0 and float(m["scale_invariant_steps"]) == 7.0
+    assert float(m["learning_rate"]) == pytest.approx(float(schedule(6)))
+
+
+def test_inject_hyperparams_with_structural_args_static():
+    static = ("learning_rate", "nesterov", "axis_name", "accumulation_steps", "scale", "smoothing", "param_labels")
+    injected = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=static)(
+        learning_rate=optax.linear_schedule(0.2, 0.05, 10), momentum=0.9, weight_decay=1e-3, accumulation_steps=2
+    )
+    plain = optax_adascale.adascale_sgd(
+        optax.linear_schedule(0.2, 0.05, 10), 0.9, weight_decay=1e-3, accumulation_steps=2
+    )
+    s_inj, s_plain = assert_same_updates(injected, plain, steps=6, rtol=1e-6)
+    np.testing.assert_allclose(
+        optax_adascale.metrics(s_inj)["scale_invariant_steps"], optax_adascale.metrics(s_plain)["scale_invariant_steps"]
+    )
+    # The injected momentum is a live hyperparameter.
+    params = params_tree()
+    s_inj.hyperparams["momentum"] = jnp.asarray(0.0)
+    assert injected.update(params, s_inj, params)[1].hyperparams["momentum"] == 0.0
+
+
+def test_chaining_after_adascale_and_reading_state_through_the_chain():
+    tx = optax.chain(optax_adascale.adascale_sgd(0.1, axis_name="i"), optax.scale(0.5))
+    params = params_tree()
+    state = tx.init(params)
+    updates, state = replica_update(tx, jit=False)(replica_grads(params), state, params)
+    alone = optax_adascale.adascale_sgd(0.1, axis_name="i")
+    ref, ref_state = replica_update(alone, jit=False)(replica_grads(params), alone.init(params), params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 0.5 * b, rtol=1e-6), updates, ref)
+    assert optax_adascale.metrics(state)["gain"] == optax_adascale.metrics(ref_state)["gain"]
+
+
+def test_clipping_inside_inner_sees_the_averaged_gradient():
+    lr, clip = 0.1, 0.5
+    tx = optax_adascale.adascale(optax.chain(optax.clip_by_global_norm(clip), optax.trace(0.9)), lr, axis_name="i")
+    params = params_tree()
+    grads = replica_grads(params)
+    updates, state = replica_update(tx, jit=False)(grads, tx.init(params), params)
+    mean = jax.tree.map(lambda g: g.mean(0), grads)
+    clipped = jax.tree.map(lambda g: g * clip / optax.tree.norm(mean), mean)
+    gain = optax_adascale.metrics(state)["gain"]
+    jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -gain * lr * c, rtol=1e-5), updates, clipped)
+    assert float(optax.tree.norm(updates)) == pytest.approx(float(gain) * lr * clip, rel=1e-5)
+
+
+def test_clipping_chained_before_adascale_sees_per_replica_gradients():
+    # Documented pitfall: a transformation before AdaScale clips each replica's gradient, which
+    # changes the samples AdaScale estimates the variance from.
+    clip = 0.5
+    before = optax.chain(optax.clip_by_global_norm(clip), optax_adascale.adascale_sgd(0.1, axis_name="i"))
+    params = params_tree()
+    grads = replica_grads(params)
+    _, state = replica_update(before, jit=False)(grads, before.init(params), params)
+
+    per_replica_clipped = jax.vmap(lambda g: optax.clip_by_global_norm(clip).update(g, None)[0])(grads)
+    alone = optax_adascale.adascale_sgd(0.1, axis_name="i")
+    _, ref_state = replica_update(alone, jit=False)(per_replica_clipped, alone.init(params), params)
+    _, unclipped_state = replica_update(alone, jit=False)(grads, alone.init(params), params)
+    assert optax_adascale.metrics(state)["gain"] == optax_adascale.metrics(ref_state)["gain"]
+    assert optax_adascale.metrics(state)["grad_sqr"] != optax_adascale.metrics(unclipped_state)["grad_sqr"]
+
+
+def test_apply_if_finite_inside_inner_is_harmless_and_superseded_by_the_skip():
+    tx = optax_adascale.adascale(optax.apply_if_finite(optax.trace(0.9), 3), 0.1, axis_name="i")
+    params = params_tree()
+    state = tx.init(params)
+    _, state = replica_update(tx, jit=False)(replica_grads(params, seed=0), state, params)
+    bad = replica_grads(params, seed=1)
+    bad["a"] = bad["a"].at[0, 0].set(jnp.nan)
+    updates, after = replica_update(tx, jit=False)(bad, state, params)
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+    # AdaScale skipped the step and kept the inner state, apply_if_finite's counters included.
+    assert int(after.skipped_steps) == 1 and int(after.inner_state.total_notfinite) == 0
+
+
+@pytest.mark.parametrize("wrap", ["gradient_transformation", "multisteps_object"])
+def test_multisteps_inside_inner_is_rejected_at_init_and_accumulation_steps_is_the_fix(wrap):
+    # With optax.MultiSteps inside `inner` every call would be an AdaScale update, so τ would advance on
+    # every call although the parameters move every k-th call. We refuse it; accumulation_steps=k is the
+    # right tool: one update, one gain, per k calls.
+    params = params_tree()
+    multi = optax.MultiSteps(optax.trace(0.9), 2)
+    wrong = optax_adascale.adascale(multi.gradient_transformation() if wrap == "gradient_transformation" else multi,
+                                    0.1, axis_name="i")
+    with pytest.raises(ValueError, match=r"optax.MultiSteps.*accumulation_steps=k"):
+        wrong.init(params)
+    right = optax_adascale.adascale(optax.trace(0.9), 0.1, axis_name="i", accumulation_steps=2)
+    s_right = optax_adascale.replicate_buffers(right.init(params), 4)
+    axes = optax_adascale.state_axes(s_right)
+    step_right = jax.vmap(right.update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")
+    for seed in range(2):
+        _, s_right = step_right(replica_grads(params, seed=seed), s_right, params)
+    assert int(optax_adascale.get_adascale_state(s_right).count) == 1
+    assert float(optax_adascale.metrics(s_right)["scale"]) == 8.0  # 4 replicas × 2 calls

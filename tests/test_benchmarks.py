@@ -1,0 +1,196 @@
+"""Each benchmark study's smoke mode runs end to end in a fresh interpreter and writes its report (and plots).
+
+* ``python -m benchmarks.scaling``: the report's tables and headings, the plots, nothing cached in smoke mode.
+* ``python -m benchmarks.adam``: the Adam section (two task tables, every method at S = 4), the plots, the cache.
+* ``python -m benchmarks.overhead``: the compiled-HLO gates of DESIGN §5 (one all-reduce, none on
+  accumulation-only calls, one extra read pass, O(1) extra state) and the report.
+* ``python -m benchmarks.gpu``: every JAX case on a CPU, finite positive ratios, the bandwidth model and the
+  report. No timing is asserted.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- scaling
+
+PLOTS_SCALING = ("scaling_curves.png", "scaling_lr.png", "scaling_gain.png", "scaling_elastic.png", "scaling_tracking.png")
+
+
+def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scaling", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    report = (tmp_path / "README.md").read_text()
+    for method in ("AS", "LSW+", "LSW"):
+        assert f"| {method} val. accuracy (%) |" in report
+    for heading in (
+        "MNIST-1D MLP",
+        "digits MLP",
+        "noisy linear regression",
+        "Elastic AdaScale",
+        "Gain estimates",
+        "A gain that keeps up",
+        "Iterations at equal quality",
+    ):
+        assert heading in report
+    assert "| `AS-H(T/100)+unfloored` |" in report  # an estimator variant (the benchmark's prototype)
+    for name in PLOTS_SCALING:
+        path = tmp_path / "plots" / name
+        assert path.stat().st_size > 0, name
+        assert f"plots/{name}" in report
+    assert "Command: `python -m benchmarks.scaling --smoke --out " in report
+    assert not (tmp_path / ".cache").exists()  # smoke mode caches nothing
+
+
+# --------------------------------------------------------------------------- adam
+
+PLOTS_ADAM = ("adam_curves.png", "adam_gain.png", "adam_lr.png")
+METHODS_ADAM = ("AS-a", "AS-b", "AS-c", "AS-c'", "sqrt", "LSW")
+
+
+def test_adam_benchmark_smoke_writes_report_and_plots(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    results = tmp_path / "README.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.adam", "--smoke", "--cache", str(tmp_path / "cache"),
+         "--results", str(results)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    text = results.read_text()
+    assert "<!-- adam:start -->" in text and "<!-- adam:end -->" in text
+    assert "<!-- adam-reading:start -->" in text
+    section = text[text.index("<!-- adam:start -->") : text.index("<!-- adam:end -->")]
+    for heading in ("byte-level transformer LM", "MNIST-1D CNN", "Learning-rate sweep"):
+        assert heading in section
+    tables = section.split("### ")[2:4]  # the two task tables, in order
+    for table in tables:
+        rows = [line for line in table.splitlines() if line.startswith("| ")]
+        assert any(row.startswith("| 1 | adamw | ") and "—" not in row for row in rows), table
+        for method in METHODS_ADAM:
+            assert any(row.startswith(f"| 4 | {method} | ") and "—" not in row for row in rows), (method, table)
+    for name in PLOTS_ADAM:
+        path = tmp_path / "plots" / name
+        assert path.stat().st_size > 0, name
+        assert f"plots/{name}" in section
+    assert any((tmp_path / "cache").glob("lm_AS-cp_S4_seed0_*.json"))  # cells cached where --cache says
+
+
+# --------------------------------------------------------------------------- overhead
+
+STUDY_OVERHEAD = [sys.executable, "-m", "benchmarks.overhead"]
+
+
+def test_overhead_smoke_meets_the_hlo_gates_and_writes_the_report(tmp_path):
+    out = tmp_path / "overhead.json"
+    subprocess.run([*STUDY_OVERHEAD, "--smoke", "--out", str(out)], cwd=ROOT, check=True, timeout=600)
+    rows = json.loads(out.read_text())["results"]
+    assert {row["mode"] for row in rows} == {"shard_map", "pmap"}
+    for row in rows:
+        hlo = row["hlo"]
+        # The same all-reduce count as SGD + pmean; none on accumulation-only calls; no host callbacks.
+        assert hlo["adascale"]["all_reduce"] == hlo["sgd"]["all_reduce"] == 1
+        assert hlo["acc4"]["all_reduce"] == 1 and hlo["acc4"]["all_reduce_every_call"] == 0
+        assert all(h["host_callbacks"] == 0 for h in hlo.values())
+        # One read pass more than the floor (the ‖ḡ‖² reduction), no extra writes; state = SGD's.
+        assert hlo["adascale"]["largest_leaf_passes"]["reads"] == hlo["floor"]["largest_leaf_passes"]["reads"] + 1
+        assert hlo["adascale"]["largest_leaf_passes"]["writes"] == hlo["floor"]["largest_leaf_passes"]["writes"]
+        assert hlo["adascale"]["large_copies"] <= hlo["sgd"]["large_copies"]
+        assert hlo["adascale"]["state_bytes"] - hlo["sgd"]["state_bytes"] < 128  # O(1) scalars
+        assert set(row["ratios"]) >= {"sgd", "floor", "floor_b", "adascale", "multi4", "acc4"}
+
+    results = tmp_path / "README.md"
+    subprocess.run([*STUDY_OVERHEAD, "--report", str(out), "--results", str(results)], cwd=ROOT, check=True)
+    text = results.read_text()
+    assert "<!-- overhead:start -->" in text and "| shard_map |" in text and "| pmap |" in text
+
+
+# --------------------------------------------------------------------------- gpu
+
+STUDY_GPU = [sys.executable, "-m", "benchmarks.gpu"]
+JAX_CASES = ("update", "lm", "lm_vmap", "cnn")
+
+
+def _finite_ratios(row):
+    assert row["ratios"], row
+    for name, r in row["ratios"].items():
+        for key in ("median", "min", "max"):
+            assert math.isfinite(r[key]) and r[key] > 0, (name, r)
+        assert r["min"] <= r["median"] <= r["max"], (name, r)
+    assert row["ratios"][row["baseline"]]["median"] == 1.0
+    assert all(ms > 0 for ms in row["median_ms"].values())
+
+
+def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [*STUDY_GPU, "--smoke", "--no-peer", "--variants", "adascale", "--rounds", "2",
+         "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    meta, cases = data["meta"], data["cases"]
+    assert meta["backend"] == "cpu" and meta["device_kind"] and meta["jax"] and meta["date"] and meta["command"]
+    assert not meta["errors"]
+    assert set(cases) == {*JAX_CASES, "profile"}
+
+    update = cases["update"]
+    assert update["bytes_model"]["sgd_words_per_param"] == 5
+    assert update["bytes_model"]["copy_words_per_element"] == 2
+    assert len(update["rows"]) == 2
+    for row in update["rows"]:
+        _finite_ratios(row)
+        assert {"sgd", "adascale", "copy"} <= set(row["ratios"])
+        assert row["bytes_per_update"] == 5 * 4 * row["params"]
+        assert row["copy_bytes"] == 2 * 4 * row["params"]
+        for name in ("sgd", "adascale", "copy"):
+            assert math.isfinite(row["achieved_GBps"][name]) and row["achieved_GBps"][name] > 0
+            assert row["fraction_of_copy_bandwidth"][name] > 0
+    for name in ("lm", "lm_vmap", "cnn"):
+        _finite_ratios(cases[name])
+        assert set(cases[name]["ratios"]) == {"sgd", "adascale"}
+    assert cases["lm"]["tokens_per_step"] == cases["lm_vmap"]["tokens_per_step"]
+
+    # The AdaScale update at the LM's shapes: the package's scopes show in the HLO, and it moves
+    # more bytes than SGD's (the ‖ḡ‖² pass) but not twice as many.
+    programs = cases["profile"]["programs"]
+    assert programs["adascale"]["top"]
+    assert {"adascale/scale_updates", "adascale/reduce"} <= set(programs["adascale"]["bytes_by_scope"])
+    assert programs["sgd"]["total_bytes"] < programs["adascale"]["total_bytes"] < 2 * programs["sgd"]["total_bytes"]
+
+    results = tmp_path / "README.md"
+    subprocess.run([*STUDY_GPU, "--report", str(out), "--results", str(results)],
+                   cwd=ROOT, check=True, timeout=120)
+    text = results.read_text()
+    assert "<!-- gpu:start -->" in text and "<!-- gpu:end -->" in text
+    assert meta["device"] in text
+    assert "CPU smoke numbers" in text and "no GPU was available" in text
+    assert "Bandwidth model" in text and "FairScale" in text and "Top costs" in text
+    assert "`python -m benchmarks.gpu --smoke --no-peer" in text  # the command, as a user types it
