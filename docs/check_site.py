@@ -148,8 +148,10 @@ def main() -> int:
             problems = unrendered_math(rendered_dom(browser, page), expected) if expected else []
             screenshot(browser, page, SHOTS / f"{name}.png")
             failures += [f"{filename}: {p}" for p in problems]
-            print(f"{filename}: {expected} formulas, {'all rendered' if not problems else 'NOT rendered'}; "
-                  f"screenshot {SHOTS.relative_to(DOCS.parent) / (name + '.png')}")
+            print(
+                f"{filename}: {expected} formulas, {'all rendered' if not problems else 'NOT rendered'}; "
+                f"screenshot {SHOTS.relative_to(DOCS.parent) / (name + '.png')}"
+            )
     for failure in failures:
         print("FAIL", failure)
     return 1 if failures else 0

@@ -186,8 +186,9 @@ def train(tx, data, cfg: Config, *, batch, model, policy, seed: int, label: str)
     m = jax.device_get(optax_adascale.metrics(opt_state))
     tau, iterations, modelled, phases = 0.0, 0, 0.0, []
     start = time.perf_counter()
-    with tqdm(total=cfg.budget, desc=f"{label:>9} τ", unit="base step", leave=False, mininterval=0.5,
-              disable=None) as bar:
+    with tqdm(
+        total=cfg.budget, desc=f"{label:>9} τ", unit="base step", leave=False, mininterval=0.5, disable=None
+    ) as bar:
         while tau < cfg.budget:
             scale, choice = policy(m)
             fn = chunk_fn(tx, scale, batch, cfg.every)
@@ -196,8 +197,16 @@ def train(tx, data, cfg: Config, *, batch, model, policy, seed: int, label: str)
             done = int(done)
             new_tau = float(m["scale_invariant_steps"])
             if not phases or phases[-1]["S"] != scale:
-                phases.append({"tau_start": tau, "S": scale, "iterations": 0, "tau": 0.0, "choice": choice,
-                               "noise_scale": choice.noise_scale if choice else float("nan")})
+                phases.append(
+                    {
+                        "tau_start": tau,
+                        "S": scale,
+                        "iterations": 0,
+                        "tau": 0.0,
+                        "choice": choice,
+                        "noise_scale": choice.noise_scale if choice else float("nan"),
+                    }
+                )
             phases[-1]["iterations"] += done
             phases[-1]["tau"] += new_tau - tau
             modelled += done * float(model(scale))
@@ -224,8 +233,10 @@ def print_phases(run: dict[str, Any], best_fixed: int) -> None:
     """One row per change of S: where it started, the choice's numbers at that moment, what the phase achieved."""
     print("Adaptive S over τ (a row per change of S; noise scale, τ/s and the goodput ratio are the advisor's")
     print(f"numbers at the choice, the ratio against the best fixed S = {best_fixed}; mean gain is over the phase):")
-    header = (f"{'tau start':>9} {'S':>3} {'iterations':>10} {'mean gain':>9} {'noise scale':>11} {'τ/s':>7} "
-              f"{'vs S=' + str(best_fixed):>9}")
+    header = (
+        f"{'tau start':>9} {'S':>3} {'iterations':>10} {'mean gain':>9} {'noise scale':>11} {'τ/s':>7} "
+        f"{'vs S=' + str(best_fixed):>9}"
+    )
     print(header)
     print("-" * len(header))
     for p in run["phases"]:
@@ -235,22 +246,28 @@ def print_phases(run: dict[str, Any], best_fixed: int) -> None:
         if c.note.startswith("no gradient statistics"):
             ratio = "n/a"
         gain = p["tau"] / p["iterations"] if p["iterations"] else float("nan")
-        print(f"{p['tau_start']:>9.1f} {p['S']:>3} {p['iterations']:>10} {gain:>9.2f} {p['noise_scale']:>11.2f} "
-              f"{c.tau_per_second[i]:>7.1f} {ratio:>9}")
+        print(
+            f"{p['tau_start']:>9.1f} {p['S']:>3} {p['iterations']:>10} {gain:>9.2f} {p['noise_scale']:>11.2f} "
+            f"{c.tau_per_second[i]:>7.1f} {ratio:>9}"
+        )
 
 
 def print_times(runs: list[dict[str, Any]], unit: str) -> None:
     """The adaptive run and every fixed S, each until τ ≥ T: modelled time, and the quality reached."""
     adaptive = runs[0]["modelled"]
-    header = (f"{'run':>9} {'S':>6} {'iterations':>10} {'tau':>8} {'time to T (' + unit + ' s)':>24} "
-              f"{'vs adaptive':>11} {'val acc':>8} {'wall here (s)':>13}")
+    header = (
+        f"{'run':>9} {'S':>6} {'iterations':>10} {'tau':>8} {'time to T (' + unit + ' s)':>24} "
+        f"{'vs adaptive':>11} {'val acc':>8} {'wall here (s)':>13}"
+    )
     print(header)
     print("-" * len(header))
     for r in runs:
         scales = [p["S"] for p in r["phases"]]
         s = f"{min(scales)}-{max(scales)}" if r["label"] == "adaptive" else str(scales[0])
-        print(f"{r['label']:>9} {s:>6} {r['iterations']:>10} {r['tau']:>8.1f} {r['modelled']:>24.3f} "
-              f"{r['modelled'] / adaptive:>10.3f}x {100 * r['val_acc']:>7.1f}% {r['seconds']:>13.1f}")
+        print(
+            f"{r['label']:>9} {s:>6} {r['iterations']:>10} {r['tau']:>8.1f} {r['modelled']:>24.3f} "
+            f"{r['modelled'] / adaptive:>10.3f}x {100 * r['val_acc']:>7.1f}% {r['seconds']:>13.1f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -258,8 +275,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget", type=int, default=None, help="T: base-batch steps (default 10000, smoke 2000)")
     parser.add_argument("--num-samples", type=int, default=None, help="MNIST-1D examples (default 20000, smoke 5000)")
     parser.add_argument("--every", type=int, default=None, help="K: iterations between choices (default 25, smoke 10)")
-    parser.add_argument("--candidates", type=int, nargs="+", default=None,
-                        help="candidate scales S, each >= 2 (default 2 3 4 6 8 12 16 24 32 48 64; smoke 2 4 8 16)")
+    parser.add_argument(
+        "--candidates",
+        type=int,
+        nargs="+",
+        default=None,
+        help="candidate scales S, each >= 2 (default 2 3 4 6 8 12 16 24 32 48 64; smoke 2 4 8 16)",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="base batch (per replica)")
     parser.add_argument("--lr", type=float, default=0.05, help="base-batch learning rate")
     parser.add_argument("--t0", type=float, default=0.020, help="synthetic model: seconds per iteration, fixed")
@@ -269,8 +291,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="small data and budget (< 40 s)")
     args = parser.parse_args(argv)
     cfg = SMOKE if args.smoke else FULL
-    cfg = dataclasses.replace(cfg, budget=args.budget or cfg.budget, every=args.every or cfg.every,
-                              num_samples=args.num_samples or cfg.num_samples)
+    cfg = dataclasses.replace(
+        cfg,
+        budget=args.budget or cfg.budget,
+        every=args.every or cfg.every,
+        num_samples=args.num_samples or cfg.num_samples,
+    )
     candidates = sorted(set(args.candidates or cfg.candidates))
     if candidates[0] < 2:
         parser.error("candidates must be >= 2: at S = 1 AdaScale estimates no gradient noise, so S could never grow")
@@ -294,20 +320,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         model = goodput.StepTimeModel.linear(args.t0, args.t1)
         unit = "synthetic"
-        print(f"SYNTHETIC step-time model: {model.description} per iteration "
-              "(not this machine's timing; all times below are this model's seconds; --measure to time real steps)")
+        print(
+            f"SYNTHETIC step-time model: {model.description} per iteration "
+            "(not this machine's timing; all times below are this model's seconds; --measure to time real steps)"
+        )
 
     def adaptive(m):
         choice = goodput.choose_scale(m, model, candidates)
         return choice.scale, choice
 
-    runs = [train(tx, data, cfg, batch=args.batch_size, model=model, policy=adaptive,
-                  seed=args.seed, label="adaptive")]
+    runs = [train(tx, data, cfg, batch=args.batch_size, model=model, policy=adaptive, seed=args.seed, label="adaptive")]
     first = runs[0]["phases"][0]["choice"]
     print(f"first choice, before any update: S = {first.scale} ({first.note})")
     for s in candidates:
-        runs.append(train(tx, data, cfg, batch=args.batch_size, model=model,
-                          policy=lambda m, s=s: (s, None), seed=args.seed, label=f"fixed {s}"))
+        runs.append(
+            train(
+                tx,
+                data,
+                cfg,
+                batch=args.batch_size,
+                model=model,
+                policy=lambda m, s=s: (s, None),
+                seed=args.seed,
+                label=f"fixed {s}",
+            )
+        )
     fixed = runs[1:]
     best = min(fixed, key=lambda r: r["modelled"])
     best_scale = best["phases"][0]["S"]
@@ -319,8 +356,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_times(runs, unit)
     saved = 1 - runs[0]["modelled"] / best["modelled"]
     print()
-    print(f"adaptive: {runs[0]['modelled']:.3f} s vs best fixed S = {best_scale}: {best['modelled']:.3f} s "
-          f"({unit}); time saved against the best fixed S: {100 * saved:.1f}%")
+    print(
+        f"adaptive: {runs[0]['modelled']:.3f} s vs best fixed S = {best_scale}: {best['modelled']:.3f} s "
+        f"({unit}); time saved against the best fixed S: {100 * saved:.1f}%"
+    )
     return {"runs": runs, "best_fixed": best_scale, "saved": saved}
 
 

@@ -111,10 +111,12 @@ class Config:
     clip: float | None = None  # clip the averaged gradient's global norm (inside AdaScale's inner)
 
 
-FULL = Config(budget=2000, lr=1.0, warmup=100, base_batch=8, seq_len=64, width=128, heads=4, layers=2,
-              val_sequences=512, clip=1.0)
-SMOKE = Config(budget=40, lr=1.0, warmup=5, base_batch=8, seq_len=64, width=64, heads=2, layers=1,
-               val_sequences=64, clip=1.0)
+FULL = Config(
+    budget=2000, lr=1.0, warmup=100, base_batch=8, seq_len=64, width=128, heads=4, layers=2, val_sequences=512, clip=1.0
+)
+SMOKE = Config(
+    budget=40, lr=1.0, warmup=5, base_batch=8, seq_len=64, width=64, heads=2, layers=1, val_sequences=64, clip=1.0
+)
 
 
 # --------------------------------------------------------------------------- data
@@ -150,11 +152,15 @@ def make_model(cfg: Config, seed: int):
 
     normal = nnx.initializers.normal
     shard = nnx.with_partitioning
-    column = {"kernel_init": shard(nnx.initializers.lecun_normal(), (None, MODEL)),
-              "bias_init": shard(nnx.initializers.zeros_init(), (MODEL,))}
+    column = {
+        "kernel_init": shard(nnx.initializers.lecun_normal(), (None, MODEL)),
+        "bias_init": shard(nnx.initializers.zeros_init(), (MODEL,)),
+    }
     residual_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2's scaled init of the residual projections
-    row = {"kernel_init": shard(normal(residual_std), (MODEL, None)),
-           "bias_init": nnx.initializers.zeros_init()}  # replicated: added after the row-parallel sum
+    row = {
+        "kernel_init": shard(normal(residual_std), (MODEL, None)),
+        "bias_init": nnx.initializers.zeros_init(),
+    }  # replicated: added after the row-parallel sum
 
     class Attention(nnx.Module):
         def __init__(self, rngs):
@@ -301,24 +307,27 @@ def train(cfg: Config, corpus: tuple[np.ndarray, np.ndarray], *, scale: int, dev
     if axis_name is not None:
         # Partial-manual: "data" is manual (in_specs/out_specs name only it); "model" is left to
         # the partitioner, which follows the shardings the parameters already have.
-        step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P(), P()),
-                             axis_names={DATA})
+        step = jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P(), P()), axis_names={DATA}
+        )
     step = jax.jit(step, donate_argnums=(0, 1))
     evaluate = jax.jit(loss_fn)
     batch_sharding = NamedSharding(mesh, P(DATA))
     val = jax.device_put(validation_windows(val_bytes, cfg), NamedSharding(mesh, P()))
 
     rng = np.random.default_rng(seed + 1)
-    draw = lambda: jax.device_put(sample_windows(train_bytes, scale * cfg.base_batch, cfg.seq_len, rng),
-                                  batch_sharding)  # replica i: rows i·B … (i+1)·B − 1
+    draw = lambda: jax.device_put(
+        sample_windows(train_bytes, scale * cfg.base_batch, cfg.seq_len, rng), batch_sharding
+    )  # replica i: rows i·B … (i+1)·B − 1
     start = time.perf_counter()
     step = step.lower(params, opt_state, draw()).compile()
     compile_seconds = time.perf_counter() - start
 
     iterations, tau = 0, 0.0
     start = time.perf_counter()
-    with tqdm(total=cfg.budget, desc=f"S={scale} τ", unit="base step", leave=False, mininterval=0.5,
-              disable=None) as bar:
+    with tqdm(
+        total=cfg.budget, desc=f"S={scale} τ", unit="base step", leave=False, mininterval=0.5, disable=None
+    ) as bar:
         while not optax_adascale.done(opt_state, cfg.budget):  # τ ≥ T
             params, opt_state, loss = step(params, opt_state, draw())
             iterations += 1
@@ -331,20 +340,30 @@ def train(cfg: Config, corpus: tuple[np.ndarray, np.ndarray], *, scale: int, dev
     seconds = time.perf_counter() - start
     checked = check_momentum_is_split(params, opt_state)  # still split after training
     val_loss = float(evaluate(params, val))
-    print(f"S={scale}: {iterations} iterations to τ={tau:.1f}, validation loss {val_loss:.4f} nats/byte "
-          f"({seconds:.1f} s + {compile_seconds:.1f} s compile; momentum of {checked} split leaves is split)")
-    return {"S": scale, "batch": scale * cfg.base_batch, "iterations": iterations, "tau": tau,
-            "mean_gain": tau / iterations, "val_loss": val_loss, "seconds": seconds}
+    print(
+        f"S={scale}: {iterations} iterations to τ={tau:.1f}, validation loss {val_loss:.4f} nats/byte "
+        f"({seconds:.1f} s + {compile_seconds:.1f} s compile; momentum of {checked} split leaves is split)"
+    )
+    return {
+        "S": scale,
+        "batch": scale * cfg.base_batch,
+        "iterations": iterations,
+        "tau": tau,
+        "mean_gain": tau / iterations,
+        "val_loss": val_loss,
+        "seconds": seconds,
+    }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = (f"{'S':>3} {'batch':>6} {'iterations':>10} {'tau':>7} {'mean gain':>9} "
-              f"{'val loss':>8} {'wall (s)':>8}")
+    header = f"{'S':>3} {'batch':>6} {'iterations':>10} {'tau':>7} {'mean gain':>9} {'val loss':>8} {'wall (s)':>8}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['S']:>3} {r['batch']:>6} {r['iterations']:>10} {r['tau']:>7.1f} {r['mean_gain']:>9.2f} "
-              f"{r['val_loss']:>8.4f} {r['seconds']:>8.1f}")
+        print(
+            f"{r['S']:>3} {r['batch']:>6} {r['iterations']:>10} {r['tau']:>7.1f} {r['mean_gain']:>9.2f} "
+            f"{r['val_loss']:>8.4f} {r['seconds']:>8.1f}"
+        )
 
 
 def select_devices() -> list:

@@ -369,8 +369,10 @@ def select_devices(mesh: str | None) -> tuple[list, str]:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--mesh", choices=MESHES, default=None,
-        help="how the 8 replicas run (default shard_map; vmap on a machine with 1-7 accelerators)"
+        "--mesh",
+        choices=MESHES,
+        default=None,
+        help="how the 8 replicas run (default shard_map; vmap on a machine with 1-7 accelerators)",
     )
     parser.add_argument(
         "--scales",

@@ -56,4 +56,3 @@ __all__ = (
 )
 
 # Deprecated (warns; not in __all__): value_and_microbatch_grad -> value_and_grad(loss_fn, num_microbatches=k).
-

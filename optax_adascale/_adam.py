@@ -45,11 +45,14 @@ def adam_preconditioner(b2: float = 0.999, eps: float = 1e-8, relative_floor: fl
     """
 
     def precondition(inner_state: Any) -> Any:
-        adam = optax.tree.get(inner_state, "ScaleByAdamState",
-                              filtering=lambda _, v: isinstance(v, optax.ScaleByAdamState))
+        adam = optax.tree.get(
+            inner_state, "ScaleByAdamState", filtering=lambda _, v: isinstance(v, optax.ScaleByAdamState)
+        )
         if adam is None:
-            raise ValueError("adam_preconditioner: inner has no optax.scale_by_adam state to read the second "
-                             "moment from; use it with inner=optax.scale_by_adam() (or a chain containing it)")
+            raise ValueError(
+                "adam_preconditioner: inner has no optax.scale_by_adam state to read the second "
+                "moment from; use it with inner=optax.scale_by_adam() (or a chain containing it)"
+            )
         started = adam.count > 0
         # Adam's own bias correction (optax.tree.bias_correction), guarded for t = 0.
         v_hat = optax.tree.bias_correction(adam.nu, b2, jnp.maximum(adam.count, 1))

@@ -14,6 +14,7 @@ from optax_adascale._microbatch import MicrobatchStats
 
 Array = jax.Array
 
+
 class AdaScaleState(NamedTuple):
     """State of :func:`adascale`. All scalars are per update, identical on every replica.
 
@@ -73,6 +74,7 @@ class AdaScaleState(NamedTuple):
     acc_sq_norm: Any
     inner_state: Any
 
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Collection:
     """Where an update's samples come from: the factory's layout options, checked and resolved once."""
@@ -88,8 +90,9 @@ class _Collection:
 # --------------------------------------------------------------------------- init
 
 
-def _init(collection: _Collection, reduction: Any, inner: optax.GradientTransformationExtraArgs,
-          params: Any) -> AdaScaleState:
+def _init(
+    collection: _Collection, reduction: Any, inner: optax.GradientTransformationExtraArgs, params: Any
+) -> AdaScaleState:
     _checks.check_inexact(params, "params")
     groups = _groups.resolve_groups(collection.param_labels, params)
     _checks.probe_inner(inner, params)
@@ -123,11 +126,20 @@ def _init(collection: _Collection, reduction: Any, inner: optax.GradientTransfor
         inner_state=inner_state,
     )
 
+
 # --------------------------------------------------------------------------- update: collect
 
 
-def _update(collection: _Collection, update: _step.Update, reduction: Any, grads: Any, state: AdaScaleState,
-            params: Any, microbatch_stats: MicrobatchStats | None, extra_args: dict[str, Any]):
+def _update(
+    collection: _Collection,
+    update: _step.Update,
+    reduction: Any,
+    grads: Any,
+    state: AdaScaleState,
+    params: Any,
+    microbatch_stats: MicrobatchStats | None,
+    extra_args: dict[str, Any],
+):
     """Local statistics, then one AdaScale step (or an accumulation-only call)."""
     _checks.check_opt_state(state, AdaScaleState._fields)
     _checks.check_grads(grads, params)
@@ -144,8 +156,9 @@ def _update(collection: _Collection, update: _step.Update, reduction: Any, grads
     shape = _step.Shape(groups=groups, axes=axes, n=n, S=S)
 
     def step(local_grads, local_sq, state):
-        return reduction.step(update, shape, local_grads, local_sq, state, params, extra_args, weights=weights,
-                              scattered=scattered)
+        return reduction.step(
+            update, shape, local_grads, local_sq, state, params, extra_args, weights=weights, scattered=scattered
+        )
 
     if collection.accumulation_steps == 1:
         return step(grads, local_sq, state)
@@ -163,8 +176,10 @@ def _fsdp_statistics(microbatch_stats: Any, accumulation_steps: int) -> bool:
     if microbatch_stats is None or not microbatch_stats.fsdp:
         return False
     if accumulation_steps != 1 or microbatch_stats.num_microbatches != 1:
-        raise ValueError("FSDP statistics (fsdp_probes) work with one sample per replica per update: "
-                         f"got accumulation_steps={accumulation_steps}; use more data-parallel replicas")
+        raise ValueError(
+            "FSDP statistics (fsdp_probes) work with one sample per replica per update: "
+            f"got accumulation_steps={accumulation_steps}; use more data-parallel replicas"
+        )
     return True
 
 
@@ -173,8 +188,10 @@ def _preconditioner(precondition: Any, inner_state: Any, grads: Any, microbatch_
     if precondition is None:
         return None
     if microbatch_stats is not None:
-        raise ValueError("precondition needs the gradients themselves: it cannot be combined with microbatch_stats "
-                         "(use accumulation_steps or more replicas)")
+        raise ValueError(
+            "precondition needs the gradients themselves: it cannot be combined with microbatch_stats "
+            "(use accumulation_steps or more replicas)"
+        )
     weights = precondition(inner_state)
     if weights is None:
         return None
@@ -184,8 +201,9 @@ def _preconditioner(precondition: Any, inner_state: Any, grads: Any, microbatch_
         raise ValueError("precondition must return multipliers shaped like the params") from err
 
 
-def _local_sq_norms(grads: Any, microbatch_stats: MicrobatchStats | None,
-                    weights: list[Array] | None = None) -> tuple[list[Array], int]:
+def _local_sq_norms(
+    grads: Any, microbatch_stats: MicrobatchStats | None, weights: list[Array] | None = None
+) -> tuple[list[Array], int]:
     """This replica's per-leaf mean squared sample norm (of ``P ⊙ g`` with weights), and its number of samples."""
     treedef = jax.tree.structure(grads)
     if microbatch_stats is None:
@@ -258,6 +276,7 @@ def _accumulate(k: int, grads: Any, local_sq: Array, state: AdaScaleState, step:
     new_acc = jax.tree.map(lambda a, g: jnp.where(reduced, 0, a + like(g.astype(a.dtype), a)), acc_grads, grads)
     new_sq = jnp.where(reduced, 0, acc_sq + like(local_sq, acc_sq))
     return new_updates, new_state._replace(acc_grads=new_acc, acc_sq_norm=new_sq)
+
 
 # --------------------------------------------------------------------------- factories
 
@@ -393,9 +412,18 @@ def adascale(
       for Distributed Training <https://arxiv.org/abs/2007.05105>`_, ICML 2020.
     """
     return build(
-        inner, learning_rate, axis_name=axis_name, accumulation_steps=accumulation_steps, scale=scale,
-        smoothing=smoothing, eps=eps, param_labels=param_labels, param_specs=param_specs,
-        shard_optimizer_state=shard_optimizer_state, delayed_gain=delayed_gain, horizon=horizon,
+        inner,
+        learning_rate,
+        axis_name=axis_name,
+        accumulation_steps=accumulation_steps,
+        scale=scale,
+        smoothing=smoothing,
+        eps=eps,
+        param_labels=param_labels,
+        param_specs=param_specs,
+        shard_optimizer_state=shard_optimizer_state,
+        delayed_gain=delayed_gain,
+        horizon=horizon,
         unbiased_sqr=unbiased_sqr,
     )
 
@@ -446,8 +474,15 @@ def build(
             )
         reduction = _reduce.ZeroRows(shard_optimizer_state)
     collection = _Collection(axis_name, accumulation_steps, scale, param_labels, param_specs, precondition)
-    estimator = est.Estimator(eps=eps, smoothing=smoothing, horizon=horizons, averaging=averaging,
-                              unbiased_sqr=unbiased_sqr, delayed_gain=delayed_gain, gain_exponent=gain_exponent)
+    estimator = est.Estimator(
+        eps=eps,
+        smoothing=smoothing,
+        horizon=horizons,
+        averaging=averaging,
+        unbiased_sqr=unbiased_sqr,
+        delayed_gain=delayed_gain,
+        gain_exponent=gain_exponent,
+    )
     inner = optax.with_extra_args_support(inner)
     update = _step.Update(inner, learning_rate, estimator)
 

@@ -131,8 +131,10 @@ def check_learning_rate(learning_rate: Any) -> None:
         raise TypeError(f"learning_rate must be a number or a schedule, got learning_rate={learning_rate!r}")
     check_number("learning_rate", learning_rate, low=0.0)
     if concrete_float(learning_rate) == 0.0:
-        warn("learning_rate=0: every update is zero, so the parameters never move while τ still "
-             "advances. Pass the base-batch learning rate (or a schedule).")
+        warn(
+            "learning_rate=0: every update is zero, so the parameters never move while τ still "
+            "advances. Pass the base-batch learning rate (or a schedule)."
+        )
 
 
 def _injected_schedule(value: Any) -> str | None:
@@ -205,8 +207,7 @@ def check_horizon(horizon: Any) -> tuple[Any, Any] | None:
     pair = horizon if isinstance(horizon, tuple | list) else (horizon, horizon)
     if len(pair) != 2 or any(h is None for h in pair):
         raise ValueError(
-            "horizon must be a positive number or a pair (H_var, H_sqr) of positive numbers, "
-            f"got horizon={horizon!r}"
+            f"horizon must be a positive number or a pair (H_var, H_sqr) of positive numbers, got horizon={horizon!r}"
         )
     for h in pair:
         try:
@@ -216,9 +217,11 @@ def check_horizon(horizon: Any) -> tuple[Any, Any] | None:
     return tuple(pair)
 
 
-_MISMATCH = ("opt_state does not match this transformation: it was made by another one ({what}). Make it "
-             "with this transformation's init, or carry a state over to a new configuration with "
-             "optax_adascale.transfer_state(old_state, new_tx.init(params)).")
+_MISMATCH = (
+    "opt_state does not match this transformation: it was made by another one ({what}). Make it "
+    "with this transformation's init, or carry a state over to a new configuration with "
+    "optax_adascale.transfer_state(old_state, new_tx.init(params))."
+)
 
 
 def check_opt_state(state: Any, fields: tuple[str, ...]) -> None:
@@ -234,9 +237,12 @@ def explain_inner_state_mismatch(inner: Any, inner_state: Any, grads: Any, err: 
     except Exception:  # noqa: BLE001 - cannot tell: the original error stands
         return
     if jax.tree.structure(expected) != jax.tree.structure(inner_state):
-        raise ValueError(_MISMATCH.format(
-            what=f"its inner state is {jax.tree.structure(inner_state)}, this inner's is "
-                 f"{jax.tree.structure(expected)}")) from err
+        raise ValueError(
+            _MISMATCH.format(
+                what=f"its inner state is {jax.tree.structure(inner_state)}, this inner's is "
+                f"{jax.tree.structure(expected)}"
+            )
+        ) from err
 
 
 # --------------------------------------------------------------------------- what inner is
@@ -286,9 +292,7 @@ def probe_inner(inner: optax.GradientTransformationExtraArgs, params: Any) -> No
     try:
         with jax.ensure_compile_time_eval(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            stand_in = treedef.unflatten(
-                [jnp.zeros((1,) * jnp.ndim(p), jnp.result_type(p)) for p in leaves]
-            )
+            stand_in = treedef.unflatten([jnp.zeros((1,) * jnp.ndim(p), jnp.result_type(p)) for p in leaves])
             grads = jax.tree.map(jnp.ones_like, stand_in)
             state = inner.init(stand_in)
             updates, _ = inner.update(grads, state, stand_in)

@@ -281,9 +281,7 @@ def sq_norm_fn(treedef: Any, model: ModelAxes, data_axes: AxisName | None = None
     return sq_norm
 
 
-def model_axes(
-    grads: Any, params: Any, axis_name: AxisName | None, param_specs: Any = None
-) -> ModelAxes:
+def model_axes(grads: Any, params: Any, axis_name: AxisName | None, param_specs: Any = None) -> ModelAxes:
     """The model axes of every leaf: from ``param_specs`` if given, else the parameters' varying types.
 
     A parameter that varies over a manual axis other than the data axes is
@@ -396,7 +394,11 @@ def _low(x: Array) -> bool:
 
 
 def reduce_statistics(
-    grads: Any, local_sq: Array, axes: Axes, groups: _groups.Groups, weights: Sequence[Array] | None = None,
+    grads: Any,
+    local_sq: Array,
+    axes: Axes,
+    groups: _groups.Groups,
+    weights: Sequence[Array] | None = None,
 ) -> tuple[Any, Array, Array]:
     """The gradient's reduction, and ``‖ḡ‖²`` read straight off its output.
 
@@ -429,8 +431,10 @@ def reduce_statistics(
     else:
         n = axes.replicas
         sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if _low(x) else x, grads), local_sq), axes.data)
-        b_leaves = [leaf_sq_norm(weigh(s, i)) if _low(s) else leaf_sq_norm(weigh(s, i)) / (n * n)
-                    for i, s in enumerate(jax.tree.leaves(sums))]
+        b_leaves = [
+            leaf_sq_norm(weigh(s, i)) if _low(s) else leaf_sq_norm(weigh(s, i)) / (n * n)
+            for i, s in enumerate(jax.tree.leaves(sums))
+        ]
         mean = jax.tree.map(lambda s: s if _low(s) else s / n, sums)
         a = sq_sum / n
     b = groups.sums(model.mask(b_leaves))

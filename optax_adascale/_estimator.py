@@ -119,9 +119,7 @@ def horizon_smoothing(last_gain: Array, horizon: float | Array) -> tuple[Array, 
     return jnp.exp(x), -jnp.expm1(x)
 
 
-def ema_rate(
-    count: Array, weight: Array, smoothing: float | Array, averaging: str = DEBIASED
-) -> tuple[Array, Array]:
+def ema_rate(count: Array, weight: Array, smoothing: float | Array, averaging: str = DEBIASED) -> tuple[Array, Array]:
     """The weight ``α_t`` of this step's sample in ``avg ← avg + α_t (x − avg)``.
 
     Both averaging modes are written as one incremental mean:

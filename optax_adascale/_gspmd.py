@@ -306,7 +306,9 @@ def _resolve_mesh(mesh, names):
             legacy = _legacy_mesh()
             hint = (
                 " A `with mesh:` block is in effect: that old form is invisible here; use "
-                "`with jax.set_mesh(mesh):` instead." if legacy is not None else ""
+                "`with jax.set_mesh(mesh):` instead."
+                if legacy is not None
+                else ""
             )
             raise ValueError(
                 f"value_and_grad(data_axes={names if len(names) > 1 else names[0]!r}) needs the mesh: call the step "

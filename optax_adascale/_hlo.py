@@ -98,8 +98,23 @@ def count_large_copies(text: str, min_elements: int = 1024) -> int:
     return total
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f16": 2,
+    "bf16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
@@ -173,16 +188,23 @@ def instruction_bytes(text: str, skip: tuple[str, ...] = ()) -> list[dict[str, A
         op_name = re.search(r'op_name="([^"]*)"', line)
         kind = re.search(r"kind=(\w+)", line)
         rows.append(
-            dict(name=name, op=op, kind=kind.group(1) if kind else "", result=result,
-                 op_name=op_name.group(1) if op_name else "", bytes_read=read, bytes_written=written,
-                 bytes=read + written)
+            dict(
+                name=name,
+                op=op,
+                kind=kind.group(1) if kind else "",
+                result=result,
+                op_name=op_name.group(1) if op_name else "",
+                bytes_read=read,
+                bytes_written=written,
+                bytes=read + written,
+            )
         )
     return rows
 
 
-_COLLECTIVE_LINE = re.compile(
-    r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\("
-)
+_COLLECTIVE_LINE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
 def collective_bytes(text: str, min_elements: int = 64) -> dict[str, int]:
     """Bytes moved by collectives, split into gradient-sized and scalar-sized traffic.
 

@@ -112,9 +112,7 @@ def per_replica(
 
     def split(x):
         if x.shape[0] % k:
-            raise ValueError(
-                f"num_microbatches={k} must divide the batch's leading dimension, got shape {x.shape}"
-            )
+            raise ValueError(f"num_microbatches={k} must divide the batch's leading dimension, got shape {x.shape}")
         return x.reshape((k, x.shape[0] // k) + x.shape[1:])
 
     def fn(params, *batch):

@@ -142,7 +142,10 @@ def noise_scale_monitor(
         del params
         zero = lambda dtype=jnp.float32: jnp.zeros([], dtype)  # noqa: E731 - a fresh buffer per field (donation)
         return NoiseScaleState(
-            count=zero(jnp.int32), grad_sqr=zero(), grad_var=zero(), ema_weight=zero(),
+            count=zero(jnp.int32),
+            grad_sqr=zero(),
+            grad_var=zero(),
+            ema_weight=zero(),
             examples_per_sample=jnp.full([], nan, jnp.float32),
             tokens_per_example=jnp.full([], nan if tokens_per_example is None else tokens_per_example, jnp.float32),
         )

@@ -43,8 +43,19 @@ class AllReduce:
                 "which needs the ZeRO layout: adascale(..., shard_optimizer_state=n)."
             )
 
-    def step(self, update: _step.Update, shape: _step.Shape, local_grads, local_sq, state, params, extra_args, *,
-             weights=None, scattered: bool = False):
+    def step(
+        self,
+        update: _step.Update,
+        shape: _step.Shape,
+        local_grads,
+        local_sq,
+        state,
+        params,
+        extra_args,
+        *,
+        weights=None,
+        scattered: bool = False,
+    ):
         del scattered
         model = shape.axes.model
         if model.axes:  # inner sees each device's piece of a split leaf: it must be shard-safe
@@ -83,15 +94,20 @@ class ZeroRows:
             raise ValueError("opt_state was not made by a transformation with shard_optimizer_state set")
         if scattered:
             if params is None:
-                raise ValueError("FSDP statistics (fsdp_probes) need the parameter rows: "
-                                 "tx.update(grads, opt_state, rows, microbatch_stats=stats)")
+                raise ValueError(
+                    "FSDP statistics (fsdp_probes) need the parameter rows: "
+                    "tx.update(grads, opt_state, rows, microbatch_stats=stats)"
+                )
             return
         # FSDP rows (fsdp_shard, placed with P(axis)) are (1, m) slices varying over the data axes;
         # replicated parameters, pcast or not, keep their own shapes.
         leaves = [] if params is None else jax.tree.leaves(params)
         rows = bool(leaves) and all(jnp.ndim(p) == 2 and jnp.shape(p)[0] == 1 for p in leaves)
-        split = [name for name in axes.data if rows and _collect.vma_checked(name)
-                 and all(name in _collect.varying_axes(p) for p in leaves)]
+        split = [
+            name
+            for name in axes.data
+            if rows and _collect.vma_checked(name) and all(name in _collect.varying_axes(p) for p in leaves)
+        ]
         if split:
             raise ValueError(
                 f"the parameters vary over the data axes {split}: they are FSDP rows (fsdp_shard), so the "
@@ -100,8 +116,19 @@ class ZeroRows:
                 "the probes' gradients: tx.update(grads, opt_state, rows, microbatch_stats=probe_grads)."
             )
 
-    def step(self, update: _step.Update, shape: _step.Shape, local_grads, local_sq, state, params, extra_args, *,
-             weights=None, scattered: bool = False):
+    def step(
+        self,
+        update: _step.Update,
+        shape: _step.Shape,
+        local_grads,
+        local_sq,
+        state,
+        params,
+        extra_args,
+        *,
+        weights=None,
+        scattered: bool = False,
+    ):
         del weights  # refused with shard_optimizer_state by the factory
         axis, n = shape.axes.data, shape.axes.replicas
         groups, model = shape.groups, shape.axes.model
@@ -123,14 +150,21 @@ class ZeroRows:
             param_rows = jax.tree.map(jnp.ravel, params)
         elif params is not None:
             index = lax.axis_index(axis)
-            param_rows = jax.tree.map(lambda p: lax.dynamic_index_in_dim(_zero.to_rows(p, n), index, keepdims=False),
-                                      params)
-        shard_state = state._replace(inner_state=jax.tree.map(
-            lambda x: jnp.reshape(x, x.shape[len(lead):]) if jnp.ndim(x) else x, state.inner_state.rows))
+            param_rows = jax.tree.map(
+                lambda p: lax.dynamic_index_in_dim(_zero.to_rows(p, n), index, keepdims=False), params
+            )
+        shard_state = state._replace(
+            inner_state=jax.tree.map(
+                lambda x: jnp.reshape(x, x.shape[len(lead) :]) if jnp.ndim(x) else x, state.inner_state.rows
+            )
+        )
         extra = dict(extra_args, adascale_sq_norm=_collect.sq_norm_fn(jax.tree.structure(mean), model, axis))
         row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra)
-        new_rows = jax.tree.map(lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
-                                new_state.inner_state, state.inner_state.rows)
+        new_rows = jax.tree.map(
+            lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
+            new_state.inner_state,
+            state.inner_state.rows,
+        )
         new_state = new_state._replace(inner_state=_zero.ShardedInnerState(new_rows))
         if scattered:
             return jax.tree.map(lambda u, g: jnp.reshape(u, g.shape), row_updates, local_grads), new_state

@@ -27,8 +27,7 @@ _RENAMED = {"learning_rate": "effective_lr", "group_gain": "group_gains"}
 # Fields added since: a checkpoint without them restores them as zeros.
 _ADDED = ("base_lr", "sqr_weight", "skip_streak", "floored_steps")
 # Fields a restored or NNX-split state always has (containers that may be empty can be dropped).
-_REQUIRED = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "scale", "skipped_steps",
-             "micro_step")
+_REQUIRED = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "scale", "skipped_steps", "micro_step")
 
 
 def _is_state(x: Any) -> bool:
@@ -302,12 +301,20 @@ def state_partition_specs(
     data = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     lead = data[0] if len(data) == 1 else data
     if param_specs is not None and tx is None:
-        raise ValueError("state_partition_specs with param_specs needs tx= (the optimizer) to find the "
-                         "inner-state leaves shaped like the params")
+        raise ValueError(
+            "state_partition_specs with param_specs needs tx= (the optimizer) to find the "
+            "inner-state leaves shaped like the params"
+        )
     base = jax.tree.map(lambda _: P(), opt_state)
     if param_specs is not None:
-        base = optax.tree_map_params(tx, lambda _, spec: spec, opt_state, param_specs,
-                                     transform_non_params=lambda _: P(), is_leaf=lambda x: x is None)
+        base = optax.tree_map_params(
+            tx,
+            lambda _, spec: spec,
+            opt_state,
+            param_specs,
+            transform_non_params=lambda _: P(),
+            is_leaf=lambda x: x is None,
+        )
     model = _model_axes_of(param_specs, data)
 
     def per_state(s: AdaScaleState, b: AdaScaleState) -> AdaScaleState:

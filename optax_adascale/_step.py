@@ -59,8 +59,17 @@ def _statistics(estimator: est.Estimator, shape: Shape, a: Array, b: Array, stat
     if n == 1:  # S = n = 1: the identity; no variance to estimate.
         ones = jnp.ones((groups.size,), jnp.float32)
         ok = jnp.all(jnp.isfinite(a if estimator.delayed_gain else b))
-        return _Statistics(count, state.ema_weight, state.sqr_weight, old_var, old_sqr, jnp.ones([], jnp.float32),
-                           ones, jnp.bool_(False), ok)
+        return _Statistics(
+            count,
+            state.ema_weight,
+            state.sqr_weight,
+            old_var,
+            old_sqr,
+            jnp.ones([], jnp.float32),
+            ones,
+            jnp.bool_(False),
+            ok,
+        )
     var_t, sqr_t = est.step_moments(a, b, n, S, estimator.eps, floor_sqr=not estimator.unbiased_sqr)
     theta_var, theta_sqr = estimator.smoothings(n, state.gain)
     alpha_var, weight = est.ema_rate(count, state.ema_weight, theta_var, estimator.averaging)
@@ -69,8 +78,9 @@ def _statistics(estimator: est.Estimator, shape: Shape, a: Array, b: Array, stat
     grad_sqr = est.ema_update(old_sqr, sqr_t, alpha_sqr)
     floored = jnp.sum(a - b) <= 1e-5 * jnp.sum(a)
     # The averages too: a state restored from a broken run (or 0/0 weights) must skip, not train on NaN.
-    stats_finite = jnp.all(jnp.isfinite(jnp.concatenate([a, b, var_t, sqr_t, grad_var, grad_sqr,
-                                                         jnp.stack([weight, sqr_weight])])))
+    stats_finite = jnp.all(
+        jnp.isfinite(jnp.concatenate([a, b, var_t, sqr_t, grad_var, grad_sqr, jnp.stack([weight, sqr_weight])]))
+    )
     if estimator.delayed_gain:
         # The gain of the averages through the last update; this sample enters them
         # afterwards. The skip reads `a` alone (finite a ⇒ finite ḡ), so nothing
@@ -171,8 +181,7 @@ def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_a
         new_updates = jax.tree.structure(inner_updates).unflatten(scaled)
     with jax.named_scope("adascale/state"):
         new_state = _next_state(shape, state, stats, lr, step_size, ok)
-    return new_updates, new_state._replace(inner_state=kept_inner_state, acc_grads=buffers[0],
-                                           acc_sq_norm=buffers[1])
+    return new_updates, new_state._replace(inner_state=kept_inner_state, acc_grads=buffers[0], acc_sq_norm=buffers[1])
 
 
 def _next_state(shape: Shape, state, stats: _Statistics, lr, step_size, ok):
@@ -202,4 +211,3 @@ def _next_state(shape: Shape, state, stats: _Statistics, lr, step_size, ok):
         inner_state=None,
     )
     return optax.tree.where(ok, stepped, skipped)
-

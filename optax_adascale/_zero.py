@@ -169,8 +169,12 @@ def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any,
                 full_g = jax.tree.map(lambda g, c=scale: g * jnp.asarray(c, g.dtype), base_g)
                 whole, _ = inner.update(full_g, whole_state, full_p)
                 shards = rows_update(jax.tree.map(lambda x: to_rows(x, n), full_g), rows_state, rows_p)
-                results.append(([np.asarray(jnp.ravel(to_rows(u, n))) for u in jax.tree.leaves(whole)],
-                                [np.asarray(jnp.ravel(u)) for u in jax.tree.leaves(shards)]))
+                results.append(
+                    (
+                        [np.asarray(jnp.ravel(to_rows(u, n))) for u in jax.tree.leaves(whole)],
+                        [np.asarray(jnp.ravel(u)) for u in jax.tree.leaves(shards)],
+                    )
+                )
     except Exception as err:  # noqa: BLE001 - an inner we cannot run cannot be judged: refuse it
         raise ValueError(
             f"shard_optimizer_state={n}: AdaScale could not run inner on a stand-in of the parameters to check "
@@ -209,8 +213,7 @@ def _off_mesh():
                 yield
 
 
-def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any,
-                      model: _collect.ModelAxes) -> None:
+def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any, model: _collect.ModelAxes) -> None:
     """Raise unless ``inner`` computes on model-axis pieces of the split leaves what it computes on the whole.
 
     Tensor parallelism hands ``inner`` each device's piece of a split leaf.
@@ -251,8 +254,9 @@ def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any,
                 whole, _ = inner.update(full_g, state, full_p)
                 cut_g = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_g), split)])
                 got = jax.vmap(pieces, in_axes=(in_axes, in_axes), axis_name="tp_probe")(cut_g, cut_p)
-                results.append(([np.asarray(u) for u in jax.tree.leaves(whole)],
-                                [np.asarray(u) for u in jax.tree.leaves(got)]))
+                results.append(
+                    ([np.asarray(u) for u in jax.tree.leaves(whole)], [np.asarray(u) for u in jax.tree.leaves(got)])
+                )
     except Exception as err:  # noqa: BLE001 - an inner we cannot run cannot be judged: refuse it
         raise ValueError(
             f"parameters split over the model axes {list(model.axes)}: AdaScale could not run inner on a "
@@ -264,8 +268,9 @@ def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any,
     for expected, got in results:
         for e, g, s in zip(expected, got, split, strict=True):
             g = np.reshape(g, e.shape) if s else g  # split: the pieces in order; replicated: a copy per piece
-            if not np.allclose(np.broadcast_to(e, g.shape), g, rtol=1e-4,
-                               atol=1e-6 * max(1.0, float(np.max(np.abs(e), initial=0.0)))):
+            if not np.allclose(
+                np.broadcast_to(e, g.shape), g, rtol=1e-4, atol=1e-6 * max(1.0, float(np.max(np.abs(e), initial=0.0)))
+            ):
                 raise ValueError(
                     f"parameters split over the model axes {list(model.axes)}: inner computes something "
                     "different on a model shard of a parameter than on the whole, so the update would be wrong. "
@@ -303,8 +308,10 @@ def recut(source: Any, target: Any) -> Any:
     if src_rows is None and tgt_rows is None:
         return source
     if src_rows is None or tgt_rows is None:
-        raise ValueError("transfer_state between a sharded (shard_optimizer_state) and a replicated inner "
-                         "state is not supported; keep shard_optimizer_state set in both")
+        raise ValueError(
+            "transfer_state between a sharded (shard_optimizer_state) and a replicated inner "
+            "state is not supported; keep shard_optimizer_state set in both"
+        )
 
     def cut(s, t):
         if not jnp.ndim(t):

@@ -85,8 +85,20 @@ def adascale(
       (Array(2., dtype=float32), Array([-0.07071068, -0.07071068], dtype=float32))
     """
     return build(
-        inner, learning_rate, axis_name=axis_name, accumulation_steps=accumulation_steps, scale=scale,
-        smoothing=smoothing, eps=eps, param_labels=param_labels, param_specs=param_specs,
-        shard_optimizer_state=shard_optimizer_state, delayed_gain=delayed_gain, horizon=horizon,
-        unbiased_sqr=unbiased_sqr, averaging=averaging, gain_exponent=gain_exponent, precondition=precondition,
+        inner,
+        learning_rate,
+        axis_name=axis_name,
+        accumulation_steps=accumulation_steps,
+        scale=scale,
+        smoothing=smoothing,
+        eps=eps,
+        param_labels=param_labels,
+        param_specs=param_specs,
+        shard_optimizer_state=shard_optimizer_state,
+        delayed_gain=delayed_gain,
+        horizon=horizon,
+        unbiased_sqr=unbiased_sqr,
+        averaging=averaging,
+        gain_exponent=gain_exponent,
+        precondition=precondition,
     )

@@ -259,8 +259,10 @@ class StepTimeModel:
     @classmethod
     def from_callable(cls, fn: Callable[[float], float], description: str | None = None) -> StepTimeModel:
         """Wrap ``S -> seconds`` (called once per scale, with a Python float)."""
-        return cls(lambda s: np.vectorize(lambda x: float(fn(float(x))), otypes=[np.float64])(s),
-                   str(description or getattr(fn, "__name__", "user-supplied step-time function")))
+        return cls(
+            lambda s: np.vectorize(lambda x: float(fn(float(x))), otypes=[np.float64])(s),
+            str(description or getattr(fn, "__name__", "user-supplied step-time function")),
+        )
 
 
 def _measurements(step_times: Mapping[float, float]) -> tuple[np.ndarray, np.ndarray]:

@@ -26,7 +26,8 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:  # pytest < 9: xdist's own hook works
         return
     for item in items:
-        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                        for m in item.iter_markers("xdist_group")})
+        names = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
         if names and "@" not in item.nodeid:
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")

@@ -101,8 +101,12 @@ TP = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P(
 
 def init_tp_params():
     k1, k2 = jax.random.split(jax.random.key(0))
-    return {"w1": jax.random.normal(k1, (TP_D, TP_H)) * 0.5, "b1": jnp.zeros(TP_H),
-            "w2": jax.random.normal(k2, (TP_H, TP_C)) * 0.5, "b2": jnp.zeros(TP_C)}
+    return {
+        "w1": jax.random.normal(k1, (TP_D, TP_H)) * 0.5,
+        "b1": jnp.zeros(TP_H),
+        "w2": jax.random.normal(k2, (TP_H, TP_C)) * 0.5,
+        "b2": jnp.zeros(TP_C),
+    }
 
 
 def full_loss(p, x, y):
@@ -121,8 +125,10 @@ def tp_loss(p, x, y):
 def tp_batches(samples: int):
     """``(TP_STEPS, samples, TP_ROWS, TP_D)`` inputs and labels: update t, sample i."""
     kx, ky = jax.random.split(jax.random.key(1))
-    return (np.asarray(jax.random.normal(kx, (TP_STEPS, samples, TP_ROWS, TP_D))),
-            np.asarray(jax.random.randint(ky, (TP_STEPS, samples, TP_ROWS), 0, TP_C)))
+    return (
+        np.asarray(jax.random.normal(kx, (TP_STEPS, samples, TP_ROWS, TP_D))),
+        np.asarray(jax.random.randint(ky, (TP_STEPS, samples, TP_ROWS), 0, TP_C)),
+    )
 
 
 def make_tp_tx(**kw):

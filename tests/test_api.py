@@ -28,8 +28,16 @@ def test_factories_take_explicit_keywords_only_after_the_optimizer_arguments():
     for fn in (optax_adascale.adascale, optax_adascale.adascale_sgd):
         params = inspect.signature(fn).parameters.values()
         assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params), fn.__name__
-    keywords = {"axis_name", "accumulation_steps", "scale", "smoothing", "eps", "param_labels",
-                "shard_optimizer_state", "delayed_gain"}
+    keywords = {
+        "axis_name",
+        "accumulation_steps",
+        "scale",
+        "smoothing",
+        "eps",
+        "param_labels",
+        "shard_optimizer_state",
+        "delayed_gain",
+    }
     for fn in (optax_adascale.adascale, optax_adascale.adascale_sgd):
         params = inspect.signature(fn).parameters
         assert keywords <= set(params), fn.__name__

@@ -24,7 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------- scaling
 
-PLOTS_SCALING = ("scaling_curves.png", "scaling_lr.png", "scaling_gain.png", "scaling_elastic.png", "scaling_tracking.png")
+PLOTS_SCALING = (
+    "scaling_curves.png",
+    "scaling_lr.png",
+    "scaling_gain.png",
+    "scaling_elastic.png",
+    "scaling_tracking.png",
+)
 
 
 def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
@@ -71,8 +77,16 @@ def test_adam_benchmark_smoke_writes_report_and_plots(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
     results = tmp_path / "README.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.adam", "--smoke", "--cache", str(tmp_path / "cache"),
-         "--results", str(results)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.adam",
+            "--smoke",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--results",
+            str(results),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -150,9 +164,13 @@ def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [*STUDY_GPU, "--smoke", "--no-peer", "--variants", "adascale", "--rounds", "2",
-         "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+        [*STUDY_GPU, "--smoke", "--no-peer", "--variants", "adascale", "--rounds", "2", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -186,8 +204,7 @@ def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
     assert programs["sgd"]["total_bytes"] < programs["adascale"]["total_bytes"] < 2 * programs["sgd"]["total_bytes"]
 
     results = tmp_path / "README.md"
-    subprocess.run([*STUDY_GPU, "--report", str(out), "--results", str(results)],
-                   cwd=ROOT, check=True, timeout=120)
+    subprocess.run([*STUDY_GPU, "--report", str(out), "--results", str(results)], cwd=ROOT, check=True, timeout=120)
     text = results.read_text()
     assert "<!-- gpu:start -->" in text and "<!-- gpu:end -->" in text
     assert meta["device"] in text

@@ -193,8 +193,17 @@ def test_checkpoint_mid_accumulation_resumes_bit_identically(tmp_path, mode):
 
 # --------------------------------------------------------------------------- (b) a new accumulation_steps
 
-_STATISTICS = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "ema_weight", "sqr_weight",
-               "inner_state")
+_STATISTICS = (
+    "count",
+    "gain",
+    "tau_whole",
+    "tau_frac",
+    "grad_sqr",
+    "grad_var",
+    "ema_weight",
+    "sqr_weight",
+    "inner_state",
+)
 
 
 def test_transfer_state_to_new_accumulation_steps_after_restore(tmp_path):
@@ -540,7 +549,6 @@ def momentum_of(state):
 def assert_same_shardings(tree, target) -> None:
     for (path, a), t in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(target), strict=True):
         assert a.sharding.is_equivalent_to(t.sharding, a.ndim), jax.tree_util.keystr(path)
-
 
 
 @functools.cache

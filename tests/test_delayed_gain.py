@@ -34,10 +34,17 @@ def run(delayed: bool, inner=None, **kw):
     for t in range(STEPS):
         updates, state = step(grad_stream(t), state, PARAMS)
         s = optax_adascale.get_adascale_state(state)
-        log.append({"updates": updates, "gain": float(s.gain), "tau": float(optax_adascale.scale_invariant_steps(s)),
-                    "tau_whole": int(s.tau_whole), "var": float(sum(jax.tree.leaves(s.grad_var))),
-                    "sqr": float(sum(jax.tree.leaves(s.grad_sqr))),
-                    "group_gains": {k: float(v) for k, v in s.group_gains.items()}})
+        log.append(
+            {
+                "updates": updates,
+                "gain": float(s.gain),
+                "tau": float(optax_adascale.scale_invariant_steps(s)),
+                "tau_whole": int(s.tau_whole),
+                "var": float(sum(jax.tree.leaves(s.grad_var))),
+                "sqr": float(sum(jax.tree.leaves(s.grad_sqr))),
+                "group_gains": {k: float(v) for k, v in s.group_gains.items()},
+            }
+        )
     return log, state
 
 

@@ -58,12 +58,21 @@ def _summed_under_shard_map():
 
 
 BAD_INPUTS = {
-    "accumulation_steps=0": (lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=0), ValueError,
-                             r"accumulation_steps=0"),
-    "accumulation_steps=2.0": (lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=2.0), TypeError,
-                               r"accumulation_steps=2\.0"),
-    "accumulation_steps=array": (lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=jnp.array(2)),
-                                 TypeError, r"static_args"),
+    "accumulation_steps=0": (
+        lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=0),
+        ValueError,
+        r"accumulation_steps=0",
+    ),
+    "accumulation_steps=2.0": (
+        lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=2.0),
+        TypeError,
+        r"accumulation_steps=2\.0",
+    ),
+    "accumulation_steps=array": (
+        lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=jnp.array(2)),
+        TypeError,
+        r"static_args",
+    ),
     "scale=0.5": (lambda: optax_adascale.adascale_sgd(0.1, scale=0.5), ValueError, r"scale=0\.5"),
     "smoothing=1.0": (lambda: optax_adascale.adascale_sgd(0.1, smoothing=1.0), ValueError, r"smoothing=1\.0"),
     "smoothing=-0.1": (lambda: optax_adascale.adascale_sgd(0.1, smoothing=-0.1), ValueError, r"smoothing=-0\.1"),
@@ -72,29 +81,59 @@ BAD_INPUTS = {
     "learning_rate=-0.1": (lambda: optax_adascale.adascale_sgd(-0.1), ValueError, r"learning_rate=-0\.1"),
     "learning_rate=nan": (lambda: optax_adascale.adascale_sgd(float("nan")), ValueError, r"learning_rate=nan"),
     "learning_rate=inf": (lambda: optax_adascale.adascale_sgd(float("inf")), ValueError, r"learning_rate=inf"),
-    "averaging=typo": (lambda: optax_adascale.experimental.adascale(optax.identity(), 0.1, averaging="ema"), ValueError, r"averaging='ema'"),
-    "nesterov without momentum": (lambda: optax_adascale.adascale_sgd(0.1, nesterov=True), ValueError,
-                                  r"momentum=None"),
-    "n=1 with S>1": (lambda: _update(optax_adascale.adascale_sgd(0.1, scale=4.0)), ValueError,
-                     r"n=1 sample.*scale=4\.0.*axis_name"),
-    "axis not bound": (lambda: _update(optax_adascale.adascale_sgd(0.1, axis_name="data")), ValueError,
-                       r"axis_name='data'.*not bound"),
-    "summed grads under shard_map": (_summed_under_shard_map, ValueError,
-                                     r"summed.*pcast\(params, 'i', to='varying'\)"),
+    "averaging=typo": (
+        lambda: optax_adascale.experimental.adascale(optax.identity(), 0.1, averaging="ema"),
+        ValueError,
+        r"averaging='ema'",
+    ),
+    "nesterov without momentum": (
+        lambda: optax_adascale.adascale_sgd(0.1, nesterov=True),
+        ValueError,
+        r"momentum=None",
+    ),
+    "n=1 with S>1": (
+        lambda: _update(optax_adascale.adascale_sgd(0.1, scale=4.0)),
+        ValueError,
+        r"n=1 sample.*scale=4\.0.*axis_name",
+    ),
+    "axis not bound": (
+        lambda: _update(optax_adascale.adascale_sgd(0.1, axis_name="data")),
+        ValueError,
+        r"axis_name='data'.*not bound",
+    ),
+    "summed grads under shard_map": (
+        _summed_under_shard_map,
+        ValueError,
+        r"summed.*pcast\(params, 'i', to='varying'\)",
+    ),
     "grads tree differs from params": (
         lambda: _update(optax_adascale.adascale_sgd(0.1, accumulation_steps=2), grads={"w": PARAMS["w"]}),
-        ValueError, r"same tree structure"),
+        ValueError,
+        r"same tree structure",
+    ),
     "integer grads": (
-        lambda: _update(optax_adascale.adascale_sgd(0.1, accumulation_steps=2),
-                        grads={"w": jnp.ones((2, 2), jnp.int32), "b": PARAMS["b"]}),
-        TypeError, r"floating-point grads, got dtype int32 at grads\['w'\]"),
+        lambda: _update(
+            optax_adascale.adascale_sgd(0.1, accumulation_steps=2),
+            grads={"w": jnp.ones((2, 2), jnp.int32), "b": PARAMS["b"]},
+        ),
+        TypeError,
+        r"floating-point grads, got dtype int32 at grads\['w'\]",
+    ),
     "microbatch_stats of the wrong type": (
         lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=2).update(
-            PARAMS, optax_adascale.adascale_sgd(0.1, accumulation_steps=2).init(PARAMS), PARAMS,
-            microbatch_stats={"w": 1.0}),
-        TypeError, r"microbatch_stats must be a MicrobatchStats"),
-    "num_microbatches=0": (lambda: optax_adascale.value_and_grad(jnp.sum, num_microbatches=0), ValueError,
-                           r"num_microbatches=0"),
+            PARAMS,
+            optax_adascale.adascale_sgd(0.1, accumulation_steps=2).init(PARAMS),
+            PARAMS,
+            microbatch_stats={"w": 1.0},
+        ),
+        TypeError,
+        r"microbatch_stats must be a MicrobatchStats",
+    ),
+    "num_microbatches=0": (
+        lambda: optax_adascale.value_and_grad(jnp.sum, num_microbatches=0),
+        ValueError,
+        r"num_microbatches=0",
+    ),
 }
 
 
@@ -108,7 +147,8 @@ def test_bad_input_raises_a_clear_error(make, error, message):
 
 
 @pytest.mark.parametrize(
-    "inner", [optax.sgd(0.1), optax.sgd(0.01, momentum=0.9), optax.adamw(1e-3), optax.adamw(1.0), optax.adam(3e-4)],
+    "inner",
+    [optax.sgd(0.1), optax.sgd(0.01, momentum=0.9), optax.adamw(1e-3), optax.adamw(1.0), optax.adam(3e-4)],
     ids=["sgd", "sgd-momentum", "adamw", "adamw-lr1", "adam"],
 )
 @pytest.mark.parametrize("traced_init", [False, True], ids=["eager", "jit"])
@@ -121,10 +161,14 @@ def test_inner_with_its_own_learning_rate_is_rejected_at_init(inner, traced_init
 
 @pytest.mark.parametrize(
     "inner",
-    [optax.trace(0.9), optax.identity(), optax.scale_by_adam(),
-     optax.chain(optax.clip_by_global_norm(1.0), optax.trace(0.9, nesterov=True)),
-     optax.chain(optax.add_decayed_weights(1e-4), optax.trace(0.9)),
-     optax.multi_transform({"a": optax.trace(0.9), "b": optax.identity()}, {"w": "a", "b": "b"})],
+    [
+        optax.trace(0.9),
+        optax.identity(),
+        optax.scale_by_adam(),
+        optax.chain(optax.clip_by_global_norm(1.0), optax.trace(0.9, nesterov=True)),
+        optax.chain(optax.add_decayed_weights(1e-4), optax.trace(0.9)),
+        optax.multi_transform({"a": optax.trace(0.9), "b": optax.identity()}, {"w": "a", "b": "b"}),
+    ],
     ids=["trace", "identity", "scale_by_adam", "clip-nesterov", "decay-trace", "multi_transform"],
 )
 def test_learning_rate_free_inners_are_accepted(inner):
@@ -149,10 +193,12 @@ def test_gradients_averaged_before_update_are_counted_as_floored_steps(path):
         wrong = jax.jit(jax.vmap(averaged_first, in_axes=(0, None, None), out_axes=(None, None), axis_name="data"))
         right = replica_update(tx, axis_name="data", axis_size=n)
     else:
-        wrong = jax.pmap(averaged_first, axis_name="data", in_axes=(0, None, None), out_axes=(None, None),
-                         devices=jax.devices()[:n])
-        right = jax.pmap(tx.update, axis_name="data", in_axes=(0, None, None), out_axes=(None, None),
-                         devices=jax.devices()[:n])
+        wrong = jax.pmap(
+            averaged_first, axis_name="data", in_axes=(0, None, None), out_axes=(None, None), devices=jax.devices()[:n]
+        )
+        right = jax.pmap(
+            tx.update, axis_name="data", in_axes=(0, None, None), out_axes=(None, None), devices=jax.devices()[:n]
+        )
     s_wrong = s_right = tx.init(PARAMS)
     for seed in range(steps):
         _, s_wrong = wrong(replica_grads(PARAMS, n, seed), s_wrong, PARAMS)
@@ -202,12 +248,16 @@ def test_done_is_true_once_tau_reaches_the_budget_and_a_skip_does_not_reset_the_
 def local_grads(params, x):
     """This replica's gradient under shard_map: params marked varying over the data axis first."""
     return jax.grad(lambda p: jnp.sum(p["w"] @ x[0]) + jnp.sum(p["b"] * x[0]))(
-        jax.lax.pcast(params, "data", to="varying"))
+        jax.lax.pcast(params, "data", to="varying")
+    )
 
 
 def _shard_map(fn, n_in, check_vma=True):
-    return jax.jit(jax.shard_map(fn, mesh=MESH, in_specs=(P(),) * (n_in - 1) + (P("data"),), out_specs=(P(), P()),
-                                 check_vma=check_vma))
+    return jax.jit(
+        jax.shard_map(
+            fn, mesh=MESH, in_specs=(P(),) * (n_in - 1) + (P("data"),), out_specs=(P(), P()), check_vma=check_vma
+        )
+    )
 
 
 def test_axis_name_none_with_per_replica_gradients_under_shard_map_names_the_axis():
@@ -535,7 +585,7 @@ def test_loss_scaled_float16_gradients_unscaled_before_update_match_float32():
     loss = lambda p, xb: jnp.mean((xb.astype(p["w"].dtype) @ p["w"]) ** 2)
     g32 = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params32, x)
     g16 = jax.vmap(jax.grad(lambda p, xb: loss(p, xb) * L), in_axes=(None, 0))(params16, x)
-    unscaled = jax.tree.map(lambda g: (g.astype(jnp.float32) / L), g16)
+    unscaled = jax.tree.map(lambda g: g.astype(jnp.float32) / L, g16)
 
     tx = optax_adascale.adascale_sgd(0.1, axis_name="i")
     _, s32 = replica_update(tx)(g32, tx.init(params32), params32)

@@ -167,8 +167,11 @@ def test_gain_is_invariant_to_scaling_all_gradients(g, c):
 
 
 @settings(max_examples=40, deadline=None)
-@given(row=hnp.arrays(np.float32, (DIM,), elements=st.floats(-10, 10, width=32)).filter(
-    lambda r: float(np.sum(r.astype(np.float64) ** 2)) > 1e-2))
+@given(
+    row=hnp.arrays(np.float32, (DIM,), elements=st.floats(-10, 10, width=32)).filter(
+        lambda r: float(np.sum(r.astype(np.float64) ** 2)) > 1e-2
+    )
+)
 def test_identical_replicas_give_gain_one(row):
     gain = float(_first_update(None)(np.tile(row, (N_REPLICAS, 1)))["gain"])
     assert gain == pytest.approx(1.0, abs=1e-6 / np.sum(row.astype(np.float64) ** 2) + 1e-6)

@@ -146,8 +146,9 @@ def test_choose_scale_finds_the_analytic_optimum_of_an_affine_step_time():
     Case 2: ``σ² = 10, μ² = 1``, ``a = 20 ms, b = 1.5 ms``: ``S* = √(400/3) ≈ 11.547``.
     Case 3: ``σ² = 0.3, μ² = 2`` (``B = 0.15``), ``a = 10 ms, b = 1 ms``: ``S* ≈ 1.22``.
     """
-    c = goodput.choose_scale({"grad_var": 16.0, "grad_sqr": 1.0}, goodput.StepTimeModel.linear(0.016, 0.001),
-                             range(1, 65))
+    c = goodput.choose_scale(
+        {"grad_var": 16.0, "grad_sqr": 1.0}, goodput.StepTimeModel.linear(0.016, 0.001), range(1, 65)
+    )
     assert c.scale == 16 and c.note == ""
     assert np.all(c.tau_per_second[c.index] > np.delete(c.tau_per_second, c.index))
 
@@ -155,13 +156,13 @@ def test_choose_scale_finds_the_analytic_optimum_of_an_affine_step_time():
     grid = np.round(np.arange(1.0, 100.0, 0.001), 3)
     c = goodput.choose_scale({"grad_var": 10.0, "grad_sqr": 1.0}, lambda s: 0.020 + 0.0015 * s, grid)
     assert abs(c.scale - s_star) <= 0.001
-    c = goodput.choose_scale({"grad_var": 10.0, "grad_sqr": 1.0}, goodput.StepTimeModel.linear(0.020, 0.0015),
-                             range(1, 100))
+    c = goodput.choose_scale(
+        {"grad_var": 10.0, "grad_sqr": 1.0}, goodput.StepTimeModel.linear(0.020, 0.0015), range(1, 100)
+    )
     assert c.scale in (math.floor(s_star), math.ceil(s_star))
 
     s_star = math.sqrt(0.3 / 2.0 * 0.010 / 0.001)
-    c = goodput.choose_scale({"grad_var": 0.3, "grad_sqr": 2.0}, goodput.StepTimeModel.linear(0.010, 0.001),
-                             grid)
+    c = goodput.choose_scale({"grad_var": 0.3, "grad_sqr": 2.0}, goodput.StepTimeModel.linear(0.010, 0.001), grid)
     assert abs(c.scale - s_star) <= 0.001
 
 
@@ -181,8 +182,9 @@ def test_choose_scale_on_a_saturating_throughput_curve():
 
 
 def test_no_noise_means_the_smallest_scale_when_time_grows():
-    c = goodput.choose_scale({"grad_var": 0.0, "grad_sqr": 3.0}, goodput.StepTimeModel.linear(0.02, 0.001),
-                             [2, 4, 8, 16])
+    c = goodput.choose_scale(
+        {"grad_var": 0.0, "grad_sqr": 3.0}, goodput.StepTimeModel.linear(0.02, 0.001), [2, 4, 8, 16]
+    )
     assert c.scale == 2 and "σ̄² = 0" in c.note
     np.testing.assert_array_equal(c.gain, np.ones(4))
 
@@ -359,4 +361,3 @@ def test_goodput_and_argmax_agree_with_adaptdl(layout):
         assert ours.scale == candidates[int(np.argmax(theirs))]
         chosen.add(ours.scale)
     assert len(chosen) >= 2, chosen  # the cases are not all decided the same way
-

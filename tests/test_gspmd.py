@@ -217,8 +217,9 @@ def test_vmap_axis_over_params_sharded_on_explicit_axes_raises_our_error_where_j
         grads = jax.numpy.ones((2, 2, N, 4), out_sharding=P(None, None, AXIS))
         step = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name=AXIS))
         try:
-            jax.block_until_ready(jax.jit(jax.vmap(lambda g: jax.lax.psum(g, AXIS), axis_name=AXIS,
-                                                   out_axes=None))(grads))
+            jax.block_until_ready(
+                jax.jit(jax.vmap(lambda g: jax.lax.psum(g, AXIS), axis_name=AXIS, out_axes=None))(grads)
+            )
             jax_fails = False
         except Exception:  # noqa: BLE001 - whatever JAX raises
             jax_fails = True

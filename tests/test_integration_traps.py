@@ -45,8 +45,9 @@ def test_inject_hyperparams_schedule_is_refused(factory):
 def test_inject_hyperparams_schedule_is_refused_through_a_levanter_style_factory():
     # Levanter's optim/config.py: `def _optimizer(learning_rate): ...; inject_hyperparams(_optimizer)(learning_rate=s)`.
     def _optimizer(learning_rate):
-        return optax.chain(optax.clip_by_global_norm(1.0),
-                           optax_adascale.adascale(optax.scale_by_adam(), learning_rate))
+        return optax.chain(
+            optax.clip_by_global_norm(1.0), optax_adascale.adascale(optax.scale_by_adam(), learning_rate)
+        )
 
     tx = optax.inject_hyperparams(_optimizer)(learning_rate=schedule)
     with pytest.raises(ValueError, match="inject_hyperparams' iteration count"):
@@ -68,7 +69,8 @@ def test_inject_hyperparams_with_static_learning_rate_runs_the_schedule_on_tau()
 
 def test_inject_hyperparams_constant_learning_rate_is_accepted_and_can_be_set():
     tx = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("accumulation_steps",))(
-        learning_rate=0.5, axis_name="i")
+        learning_rate=0.5, axis_name="i"
+    )
     params = jnp.zeros(N)
     state = tx.init(params)
     state.hyperparams["learning_rate"] = jnp.asarray(0.25)

@@ -74,8 +74,7 @@ def test_equals_adascale_statistics_on_the_same_stream():
         k = jax.random.fold_in(key, t)
         samples = jax.tree.map(lambda p: jax.random.normal(k, (4,) + p.shape) + 1.0, params)  # noqa: B023
         grads = jax.tree.map(lambda x: x.mean(0), samples)
-        stats = optax_adascale.MicrobatchStats(
-            jax.tree.map(lambda x: jnp.mean(jax.vmap(leaf_sq_norm)(x)), samples), 4)
+        stats = optax_adascale.MicrobatchStats(jax.tree.map(lambda x: jnp.mean(jax.vmap(leaf_sq_norm)(x)), samples), 4)
         ms = mon_step(grads, ms, stats)
         as_ = ada_step(grads, as_, stats)
         mine, theirs = _noise.metrics(ms), optax_adascale.metrics(as_)
@@ -172,9 +171,10 @@ def test_adds_only_a_scalar_collective_to_the_users_step():
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     fn = optax_adascale.value_and_grad(lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2), num_microbatches=1)
     texts = {}
-    for name, tx in [("adamw", optax.adamw(1e-3)),
-                     ("monitor", optax.chain(optax_adascale.noise_scale_monitor(axis_name="data"),
-                                             optax.adamw(1e-3)))]:
+    for name, tx in [
+        ("adamw", optax.adamw(1e-3)),
+        ("monitor", optax.chain(optax_adascale.noise_scale_monitor(axis_name="data"), optax.adamw(1e-3))),
+    ]:
         step = _shard_map_step(tx, params, fn, mesh)
         texts[name] = _hlo.compiled_text(step, tx.init(params), x)
     base, mon = _hlo.collective_bytes(texts["adamw"]), _hlo.collective_bytes(texts["monitor"])
@@ -357,8 +357,11 @@ def test_under_gspmd_adds_no_gradient_sized_collective():
     params = {"w": jax.device_put(jnp.zeros((64, 32)), shard), "b": jax.device_put(jnp.zeros(64), shard)}
     stats = optax_adascale.MicrobatchStats({"w": jnp.float32(1.0), "b": jnp.float32(1.0)}, 8)
     texts = {}
-    for name, tx in [("adamw", optax.adamw(1e-3)),
-                     ("monitor", optax.chain(optax_adascale.noise_scale_monitor(), optax.adamw(1e-3)))]:
+    for name, tx in [
+        ("adamw", optax.adamw(1e-3)),
+        ("monitor", optax.chain(optax_adascale.noise_scale_monitor(), optax.adamw(1e-3))),
+    ]:
+
         def step(grads, state, stats, tx=tx):
             return tx.update(grads, state, params, microbatch_stats=stats)
 

@@ -100,8 +100,12 @@ def test_gain_exponent_scales_the_step_by_a_power_of_the_gain_and_tau_by_the_gai
 
 def test_adam_preconditioned_statistics_match_a_hand_computation():
     b2, eps, n = 0.999, 1e-8, 2
-    tx = optax_adascale.experimental.adascale(optax.scale_by_adam(b2=b2, eps=eps), 1e-3, axis_name="i",
-                                 precondition=optax_adascale.experimental.adam_preconditioner(b2=b2, eps=eps))
+    tx = optax_adascale.experimental.adascale(
+        optax.scale_by_adam(b2=b2, eps=eps),
+        1e-3,
+        axis_name="i",
+        precondition=optax_adascale.experimental.adam_preconditioner(b2=b2, eps=eps),
+    )
     params = jnp.zeros(2)
     first = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
     second = np.array([[2.0, 0.0], [0.0, 4.0]], np.float32)
@@ -132,8 +136,9 @@ def test_adam_preconditioned_statistics_match_a_hand_computation():
 
 
 def test_adam_preconditioner_without_adam_in_inner_names_the_fix():
-    tx = optax_adascale.experimental.adascale(optax.trace(0.9), 0.1, accumulation_steps=2,
-                                 precondition=optax_adascale.experimental.adam_preconditioner())
+    tx = optax_adascale.experimental.adascale(
+        optax.trace(0.9), 0.1, accumulation_steps=2, precondition=optax_adascale.experimental.adam_preconditioner()
+    )
     with pytest.raises(ValueError, match="scale_by_adam"):
         tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))
 
@@ -167,8 +172,12 @@ def test_adam_preconditioner_floor_keeps_a_coordinate_without_history_from_pinni
     # A coordinate whose first gradients are zero has v̂ = 0: without a floor its P ≈ 1/ε = 1e8, one such
     # sample dominates the moving averages and the gain stays at S for the rest of the run.
     def final_gain(zero_first_column, relative_floor):
-        tx = optax_adascale.experimental.adascale(optax.scale_by_adam(), 1e-3, axis_name="i",
-                                     precondition=optax_adascale.experimental.adam_preconditioner(relative_floor=relative_floor))
+        tx = optax_adascale.experimental.adascale(
+            optax.scale_by_adam(),
+            1e-3,
+            axis_name="i",
+            precondition=optax_adascale.experimental.adam_preconditioner(relative_floor=relative_floor),
+        )
         params, key = jnp.zeros(3), jax.random.key(0)
         state, step = tx.init(params), replica_update(tx)
         for t in range(200):

@@ -236,8 +236,14 @@ def test_every_parallel_path_matches_vmap(path):
     assert 1.0 < gains.min() and gains.max() <= N  # the comparison is not degenerate
 
 
-DELAYED_PATHS = ("pmap", "shard_map", "accumulation_steps=8", "within-step 8 microbatches",
-                 "shard_map 4 x accumulation 2", "shard_map 4 x 2 microbatches")
+DELAYED_PATHS = (
+    "pmap",
+    "shard_map",
+    "accumulation_steps=8",
+    "within-step 8 microbatches",
+    "shard_map 4 x accumulation 2",
+    "shard_map 4 x 2 microbatches",
+)
 
 
 @functools.cache
@@ -307,6 +313,7 @@ def test_donated_step_copies_no_gradient_sized_buffer():
     loss = lambda p, xb: jnp.sum(jnp.tanh(xb @ p["w"] + p["b"]) ** 2)
     texts = {}
     for name, tx in {"adascale": make_tx(SCHEDULE, axis_name="i"), "sgd": optax.sgd(0.1, momentum=0.9)}.items():
+
         def step(p, s, xb, tx=tx, name=name):
             g = jax.grad(loss)(jax.lax.pcast(p, "i", to="varying"), xb[0])
             if name == "sgd":
@@ -314,8 +321,9 @@ def test_donated_step_copies_no_gradient_sized_buffer():
             u, s = tx.update(g, s, p)
             return optax.apply_updates(p, u), s
 
-        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("i")), out_specs=(P(), P())),
-                    donate_argnums=(0, 1))
+        f = jax.jit(
+            jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("i")), out_specs=(P(), P())), donate_argnums=(0, 1)
+        )
         texts[name] = _hlo.compiled_text(f, params, tx.init(params), x)
     assert _hlo.count_large_copies(texts["sgd"]) == 0
     assert _hlo.count_large_copies(texts["adascale"]) == 0

@@ -77,8 +77,9 @@ def test_non_finite_moving_averages_skip_the_update():
 # --------------------------------------------------------------------------- bug 5: horizon's shape
 
 
-@pytest.mark.parametrize("horizon", [(2.0, None), (1, 2, 3), (2.0,), ()],
-                         ids=["none_inside", "triple", "single", "empty"])
+@pytest.mark.parametrize(
+    "horizon", [(2.0, None), (1, 2, 3), (2.0,), ()], ids=["none_inside", "triple", "single", "empty"]
+)
 def test_a_horizon_tuple_that_is_not_a_pair_of_numbers_is_rejected_at_construction(horizon):
     with pytest.raises((ValueError, TypeError), match=r"horizon.*got horizon="):
         optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=horizon)
@@ -169,26 +170,33 @@ def zero_vs_replicated(inner_of, grads, **update_kwargs):
     """Updates of ``adascale(inner_of(zero))`` with and without ``shard_optimizer_state`` (vmap replicas)."""
     out = []
     for zero in (True, False):
-        tx = optax_adascale.adascale(inner_of(zero), 0.1, axis_name="data",
-                                     shard_optimizer_state=ZERO_N if zero else None)
+        tx = optax_adascale.adascale(
+            inner_of(zero), 0.1, axis_name="data", shard_optimizer_state=ZERO_N if zero else None
+        )
         state = tx.init(ZERO_PARAMS)
         axes = optax_adascale.state_axes(state)
-        step = jax.vmap(lambda g, s, p, tx=tx: tx.update(g, s, p, **update_kwargs), in_axes=(0, axes, None),
-                        out_axes=(None, axes), axis_name="data")
+        step = jax.vmap(
+            lambda g, s, p, tx=tx: tx.update(g, s, p, **update_kwargs),
+            in_axes=(0, axes, None),
+            out_axes=(None, axes),
+            axis_name="data",
+        )
         out.append(step(grads, state, ZERO_PARAMS)[0])
     return out
 
 
 def zero_grads(scale):
     rng = np.random.default_rng(2)
-    return jax.tree.map(lambda p: jnp.asarray(scale * (1 + rng.normal(size=(ZERO_N, *p.shape))), jnp.float32),
-                        ZERO_PARAMS)
+    return jax.tree.map(
+        lambda p: jnp.asarray(scale * (1 + rng.normal(size=(ZERO_N, *p.shape))), jnp.float32), ZERO_PARAMS
+    )
 
 
 def test_zero_rejects_a_mask_computed_from_sizes_that_rows_change():
     # `x.size > 16` is True for w (64 elements) but False for its ZeRO rows (8 elements): w's decay would vanish.
-    inner = optax.chain(optax.add_decayed_weights(1e-2, mask=lambda p: jax.tree.map(lambda x: x.size > 16, p)),
-                        optax.trace(0.9))
+    inner = optax.chain(
+        optax.add_decayed_weights(1e-2, mask=lambda p: jax.tree.map(lambda x: x.size > 16, p)), optax.trace(0.9)
+    )
     tx = optax_adascale.adascale(inner, 0.1, axis_name="data", shard_optimizer_state=ZERO_N)
     with pytest.raises(ValueError, match=r"shard_optimizer_state.*masks and labels must be given as trees"):
         tx.init(ZERO_PARAMS)
@@ -204,7 +212,8 @@ def test_zero_rejects_optax_clip_by_global_norm_with_a_large_threshold():
 def test_zero_shard_aware_clip_with_a_large_threshold_equals_the_replicated_optax_clip():
     grads = zero_grads(3e5)
     sharded, replicated = zero_vs_replicated(
-        lambda zero: optax_adascale.clip_by_global_norm(1e6) if zero else optax.clip_by_global_norm(1e6), grads)
+        lambda zero: optax_adascale.clip_by_global_norm(1e6) if zero else optax.clip_by_global_norm(1e6), grads
+    )
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5), sharded, replicated)
     assert float(optax.tree.norm(jax.tree.map(lambda g: g.mean(0), grads))) > 1e6  # the clip was active
 
@@ -228,8 +237,10 @@ def _scale_by_loss():
 
 def test_an_inner_declared_elementwise_trains_under_zero_as_replicated():
     sharded, replicated = zero_vs_replicated(
-        lambda zero: optax_adascale.elementwise(_scale_by_loss()) if zero else _scale_by_loss(), zero_grads(1.0),
-        loss=jnp.float32(3.0))
+        lambda zero: optax_adascale.elementwise(_scale_by_loss()) if zero else _scale_by_loss(),
+        zero_grads(1.0),
+        loss=jnp.float32(3.0),
+    )
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-8), sharded, replicated)
 
 
@@ -249,12 +260,17 @@ TP = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P(
 
 def tp_params():
     k1, k2 = jax.random.split(jax.random.key(0))
-    return {"w1": jax.random.normal(k1, (8, 16)) * 0.5, "b1": jnp.zeros(16),
-            "w2": jax.random.normal(k2, (16, 4)) * 0.5, "b2": jnp.full(4, 0.1)}
+    return {
+        "w1": jax.random.normal(k1, (8, 16)) * 0.5,
+        "b1": jnp.zeros(16),
+        "w2": jax.random.normal(k2, (16, 4)) * 0.5,
+        "b2": jnp.full(4, 0.1),
+    }
 
 
 def tp_grads():
     """Per-replica gradients ``(4, ...)`` of a small MLP, whole (the truth sees them unsplit)."""
+
     def loss(p, x, y):
         h = jnp.tanh(x @ p["w1"] + p["b1"])
         return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], y).mean()
@@ -274,8 +290,9 @@ def tp_update(inner, *, check_vma, param_specs=None):
     def step(params, state, grads):
         return tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
 
-    f = jax.jit(jax.shard_map(step, mesh=TP_MESH, in_specs=(TP, specs, grad_specs), out_specs=(TP, specs),
-                              check_vma=check_vma))
+    f = jax.jit(
+        jax.shard_map(step, mesh=TP_MESH, in_specs=(TP, specs, grad_specs), out_specs=(TP, specs), check_vma=check_vma)
+    )
     return f(params, tx.init(params), tp_grads())
 
 
@@ -283,7 +300,8 @@ def tp_reference(inner):
     tx = optax_adascale.adascale(inner, 0.1, axis_name="data")
     params = tp_params()
     return jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="data")(
-        tp_grads(), tx.init(params), params)
+        tp_grads(), tx.init(params), params
+    )
 
 
 CLIP = 0.05
@@ -292,8 +310,9 @@ VMA_CASES = {"check_vma": dict(check_vma=True), "param_specs": dict(check_vma=Fa
 
 @pytest.mark.parametrize("case", VMA_CASES)
 def test_shard_aware_clip_in_inner_clips_tensor_parallel_params_by_the_global_norm(case):
-    updates, state = tp_update(optax.chain(optax_adascale.clip_by_global_norm(CLIP), optax.trace(0.9)),
-                               **VMA_CASES[case])
+    updates, state = tp_update(
+        optax.chain(optax_adascale.clip_by_global_norm(CLIP), optax.trace(0.9)), **VMA_CASES[case]
+    )
     ref_updates, ref_state = tp_reference(optax.chain(optax.clip_by_global_norm(CLIP), optax.trace(0.9)))
     mean_norm = float(optax.tree.norm(jax.tree.map(lambda g: g.mean(0), tp_grads())))
     assert mean_norm > 2 * CLIP  # the clip is active
@@ -309,8 +328,9 @@ def test_optax_clip_in_inner_with_tensor_parallel_params_is_refused_naming_the_s
 
 
 def test_an_elementwise_inner_with_tensor_parallel_params_is_not_refused():
-    inner = optax.chain(optax.add_decayed_weights(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-                        optax.trace(0.9))
+    inner = optax.chain(
+        optax.add_decayed_weights(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)), optax.trace(0.9)
+    )
     updates, _ = tp_update(inner, check_vma=True)
     ref_updates, _ = tp_reference(inner)
     for k in ref_updates:

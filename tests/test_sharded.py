@@ -83,8 +83,11 @@ def shard_map_tp(*, accumulation=1, micro=1, param_specs=None, check_vma=True):
             updates, state = tx.update(grads, state, params, microbatch_stats=stats)
         return optax.apply_updates(params, updates), state
 
-    step = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(TP, specs, P("data"), P("data")),
-                                 out_specs=(TP, specs), check_vma=check_vma))
+    step = jax.jit(
+        jax.shard_map(
+            step, mesh=MESH, in_specs=(TP, specs, P("data"), P("data")), out_specs=(TP, specs), check_vma=check_vma
+        )
+    )
     log = []
     for x, y in zip(*batches(DATA * accumulation * micro), strict=True):
         if accumulation == 1:
@@ -121,8 +124,9 @@ def _update_only(check_vma, param_specs):
         return updates, state
 
     specs = optax_adascale.state_partition_specs(tx.init(params), "data", TP, tx=tx)
-    f = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(TP, specs, grad_specs), out_specs=(TP, specs),
-                              check_vma=check_vma))
+    f = jax.jit(
+        jax.shard_map(step, mesh=MESH, in_specs=(TP, specs, grad_specs), out_specs=(TP, specs), check_vma=check_vma)
+    )
     return f(params, tx.init(params), full)
 
 
@@ -132,8 +136,9 @@ def test_check_vma_false_with_param_specs_matches_the_unsharded_update():
     params = init_params()
     tx = make_tp_tx()
     grads = jax.vmap(jax.grad(full_loss), in_axes=(None, 0, 0))(params, x[0], y[0])
-    ref_updates, ref_state = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None),
-                                      axis_name="data")(grads, tx.init(params), params)
+    ref_updates, ref_state = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="data")(
+        grads, tx.init(params), params
+    )
     updates, state = _update_only(check_vma=False, param_specs=TP)
     assert float(state.gain) == pytest.approx(float(ref_state.gain), rel=1e-6)
     for k in updates:
@@ -166,6 +171,7 @@ def test_one_scalar_collective_over_model_beyond_the_gradient_reduction():
     specs = optax_adascale.state_partition_specs(tx.init(params), "data", TP, tx=tx)
     texts = {}
     for name, t in {"adascale": tx, "sgd": optax.sgd(0.1, momentum=0.9)}.items():
+
         def step(params, state, x, y, t=t, name=name):
             g = jax.grad(tp_loss)(jax.lax.pcast(params, "data", to="varying"), x[0], y[0])
             if name == "sgd":
@@ -173,10 +179,14 @@ def test_one_scalar_collective_over_model_beyond_the_gradient_reduction():
             u, state = t.update(g, state, params)
             return optax.apply_updates(params, u), state
 
-        s_specs = specs if name == "adascale" else optax.tree_map_params(
-            t, lambda _, s: s, t.init(params), TP, transform_non_params=lambda _: P())
-        f = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(TP, s_specs, P("data"), P("data")),
-                                  out_specs=(TP, s_specs)))
+        s_specs = (
+            specs
+            if name == "adascale"
+            else optax.tree_map_params(t, lambda _, s: s, t.init(params), TP, transform_non_params=lambda _: P())
+        )
+        f = jax.jit(
+            jax.shard_map(step, mesh=MESH, in_specs=(TP, s_specs, P("data"), P("data")), out_specs=(TP, s_specs))
+        )
         x, y = batches(DATA)
         texts[name] = _hlo.compiled_text(f, params, t.init(params), x[0], y[0])
     ours, sgd = (_hlo.collective_bytes(texts[k], min_elements=2) for k in ("adascale", "sgd"))
@@ -198,8 +208,11 @@ def test_partial_manual_shard_map_with_tp_params_matches_the_unsharded_run():
         return optax.apply_updates(params, updates), state
 
     # Only "data" is manual; the partitioner splits the parameters over "model".
-    step = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P()),
-                                 axis_names={"data"}))
+    step = jax.jit(
+        jax.shard_map(
+            step, mesh=MESH, in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P()), axis_names={"data"}
+        )
+    )
     log = []
     for x, y in zip(*batches(DATA), strict=True):
         params, state = step(params, state, x, y)
@@ -253,6 +266,7 @@ def test_gspmd_accumulation_matches_the_unsharded_run(layout):
     params = place(init_params(), layout)
     state = optax_adascale.replicate_buffers(tx.init(params), DATA)
     axes = optax_adascale.state_axes(state)
+
     def replica_step(p, s, x, y):
         updates, s = tx.update(jax.grad(full_loss)(p, x, y), s, p)
         return optax.apply_updates(p, updates), s

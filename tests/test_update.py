@@ -70,8 +70,7 @@ class Setup:
         if optimizer == "adascale_sgd":
             assert inner is None
             return optax_adascale.adascale_sgd(learning_rate, momentum=0.9, **self.kwargs, **kw)
-        return optax_adascale.adascale(optax.trace(0.9) if inner is None else inner, learning_rate, **self.kwargs,
-                                       **kw)
+        return optax_adascale.adascale(optax.trace(0.9) if inner is None else inner, learning_rate, **self.kwargs, **kw)
 
     def init(self, tx, params):
         """``tx.init``, with one set of accumulation buffers per replica where there are several."""
@@ -382,8 +381,10 @@ def test_updates_keep_the_params_dtype(optimizer, config, dtype):
 def test_multisteps_first_update_is_exactly_zero(optimizer, config):
     setup = Setup.of(config)
     if setup.accumulation_steps > 1:
-        pytest.skip("MultiSteps around accumulation_steps=2 accumulates twice (AdaScale would step every 8 calls); "
-                    "accumulation_steps=k is the supported way to accumulate")
+        pytest.skip(
+            "MultiSteps around accumulation_steps=2 accumulates twice (AdaScale would step every 8 calls); "
+            "accumulation_steps=k is the supported way to accumulate"
+        )
     multi = optax.MultiSteps(setup.make(optimizer), every_k_schedule=4)
     params = jnp.array([1.0, 2.0])
     grads = jnp.array([0.5, -1.5])
@@ -524,14 +525,20 @@ def test_state_types_match_across_init_update_and_jit_on_an_explicit_mesh(optimi
     tx = setup.make(optimizer)
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     if setup.replicas > 1 and not jax_can_psum_over_a_vmap_axis_on_an_explicit_mesh(mesh):
-        pytest.skip("JAX 0.10.2 cannot lower lax.psum over a vmap axis of an array sharded on an Explicit mesh axis "
-                    "under jit (ValueError: 'Sharding spec ... does not evenly divide'), AdaScale or not")
+        pytest.skip(
+            "JAX 0.10.2 cannot lower lax.psum over a vmap axis of an array sharded on an Explicit mesh axis "
+            "under jit (ValueError: 'Sharding spec ... does not evenly divide'), AdaScale or not"
+        )
     with jax.set_mesh(mesh):
         # A float16 leaf split over the mesh and a float32 leaf replicated on it.
-        params = {"w": jnp.zeros((2, 8, 4), jnp.float16, out_sharding=P(None, "x")),
-                  "b": jnp.zeros((8,), jnp.float32, out_sharding=P())}
-        grads = {"w": jax.device_put(jnp.full((2, 8, 4), 0.5, jnp.float16), NamedSharding(mesh, P(None, "x"))),
-                 "b": jax.device_put(jnp.full((8,), 0.5, jnp.float32), NamedSharding(mesh, P()))}
+        params = {
+            "w": jnp.zeros((2, 8, 4), jnp.float16, out_sharding=P(None, "x")),
+            "b": jnp.zeros((8,), jnp.float32, out_sharding=P()),
+        }
+        grads = {
+            "w": jax.device_put(jnp.full((2, 8, 4), 0.5, jnp.float16), NamedSharding(mesh, P(None, "x"))),
+            "b": jax.device_put(jnp.full((8,), 0.5, jnp.float32), NamedSharding(mesh, P())),
+        }
         eager_init = setup.init(tx, params)
         jit_init = jit(lambda p: setup.init(tx, p))(params)
         assert types(jit_init) == types(eager_init)
@@ -763,8 +770,9 @@ def test_multisteps_inside_inner_is_rejected_at_init_and_accumulation_steps_is_t
     # right tool: one update, one gain, per k calls.
     params = params_tree()
     multi = optax.MultiSteps(optax.trace(0.9), 2)
-    wrong = optax_adascale.adascale(multi.gradient_transformation() if wrap == "gradient_transformation" else multi,
-                                    0.1, axis_name="i")
+    wrong = optax_adascale.adascale(
+        multi.gradient_transformation() if wrap == "gradient_transformation" else multi, 0.1, axis_name="i"
+    )
     with pytest.raises(ValueError, match=r"optax.MultiSteps.*accumulation_steps=k"):
         wrong.init(params)
     right = optax_adascale.adascale(optax.trace(0.9), 0.1, axis_name="i", accumulation_steps=2)

@@ -122,9 +122,11 @@ def assert_same_run(ours, ref, rtol, params_tol=None):
     assert np.all(ref_log[:, 0] > 1.2), "the reference must have gains well above 1 for the test to mean anything"
     np.testing.assert_allclose(log, ref_log, rtol=rtol)
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                                rtol=params_tol or rtol, atol=params_tol or rtol),
-        params, ref_params,
+        lambda a, b: np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=params_tol or rtol, atol=params_tol or rtol
+        ),
+        params,
+        ref_params,
     )
 
 
@@ -178,8 +180,7 @@ def test_value_and_grads_equal_jax_value_and_grad_on_the_global_batch(layout, k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
     # The statistics: per leaf the mean over the n = 4k samples (contiguous row blocks) of ‖g_i‖².
     n = 4 * k
-    samples = [jax.grad(loss_fn)(init_params(), x.reshape(n, -1, D_IN)[i], y.reshape(n, -1)[i])
-               for i in range(n)]
+    samples = [jax.grad(loss_fn)(init_params(), x.reshape(n, -1, D_IN)[i], y.reshape(n, -1)[i]) for i in range(n)]
     expected = jax.tree.map(lambda *g: np.mean([np.sum(np.square(a)) for a in g]), *samples)
     assert stats.num_microbatches == n
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), stats.sq_norms, expected)
@@ -324,8 +325,10 @@ def test_state_shardings_follow_the_params_and_survive_an_orbax_round_trip(tmp_p
         for t in range(2):
             params, opt_state = step(params, opt_state, xs[t], ys[t])
         save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                              {"params": params, "opt_state": opt_state})
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            {"params": params, "opt_state": opt_state},
+        )
         restored = restore(tmp_path / "ckpt", target)
         assert_trees_equal(restored, {"params": params, "opt_state": opt_state})
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
@@ -368,8 +371,9 @@ def test_own_loop_recipe_equals_num_microbatches():
 
     @jax.jit
     def own_loop(params, x, y):
-        micro = jax.tree.map(lambda a: a.reshape((shards, k, -1) + a.shape[1:]).swapaxes(0, 1)
-                             .reshape((k, -1) + a.shape[1:]), (x, y))
+        micro = jax.tree.map(
+            lambda a: a.reshape((shards, k, -1) + a.shape[1:]).swapaxes(0, 1).reshape((k, -1) + a.shape[1:]), (x, y)
+        )
 
         def body(carry, mb):
             grad_sum, sq_sum = carry
@@ -405,8 +409,9 @@ def test_weighted_loss_recipe_gives_the_global_token_weighted_gradient():
     @jax.jit
     def step(params, x, y, w):
         total = jnp.sum(w)
-        fn = optax_adascale.value_and_grad(lambda p, x, y, w: jnp.sum(losses(p, x, y) * w) * (n / total),
-                                           data_axes="data")
+        fn = optax_adascale.value_and_grad(
+            lambda p, x, y, w: jnp.sum(losses(p, x, y) * w) * (n / total), data_axes="data"
+        )
         return fn(params, x, y, w)
 
     params, (xs, ys, ws) = place(mesh, LAYOUTS["replicated"], x, y, w)

@@ -20,9 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_benchmark(tmp_path, *args):
     out = tmp_path / "gspmd.json"
-    subprocess.run([sys.executable, "-m", "benchmarks.gspmd.run", *args, "--json", str(out)], check=True,
-                   cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)), timeout=900,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.gspmd.run", *args, "--json", str(out)],
+        check=True,
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)),
+        timeout=900,
+        capture_output=True,
+    )
     return json.loads(out.read_text())
 
 

@@ -39,8 +39,14 @@ def shard_map_run(zero, *, accumulation=1, micro=1, labels=None, dtype=jnp.float
     n = mesh.size
     tx = zero_tx(zero, accumulation_steps=accumulation, param_labels=labels)
     if zero:
-        tx = make_tx(SCHEDULE, weight_decay=1e-3, axis_name="data", shard_optimizer_state=n,
-                     accumulation_steps=accumulation, param_labels=labels)
+        tx = make_tx(
+            SCHEDULE,
+            weight_decay=1e-3,
+            axis_name="data",
+            shard_optimizer_state=n,
+            accumulation_steps=accumulation,
+            param_labels=labels,
+        )
     params = jax.tree.map(lambda p: p.astype(dtype), init_params())
     state = tx.init(params)
     if accumulation > 1:
@@ -57,8 +63,7 @@ def shard_map_run(zero, *, accumulation=1, micro=1, labels=None, dtype=jnp.float
             updates, state = tx.update(grads, state, params, microbatch_stats=stats)
         return optax.apply_updates(params, updates), state
 
-    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
-                                 out_specs=(P(), specs)))
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")), out_specs=(P(), specs)))
     log = []
     xs, ys = synthetic_batches(STEPS, n * accumulation * micro, ROWS)
     for x, y in zip(xs, ys, strict=True):
@@ -202,12 +207,15 @@ def compiled(zero: bool, params):
     y = jnp.zeros((N, ROWS), jnp.int32)
 
     def step(params, state, x, y):
-        updates, state = tx.update(jax.grad(loss_fn)(jax.lax.pcast(params, "data", to="varying"), x[0], y[0]),
-                                   state, params)
+        updates, state = tx.update(
+            jax.grad(loss_fn)(jax.lax.pcast(params, "data", to="varying"), x[0], y[0]), state, params
+        )
         return optax.apply_updates(params, updates), state
 
-    f = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(P(), specs, P("data"), P("data")), out_specs=(P(), specs)),
-                donate_argnums=(0, 1))
+    f = jax.jit(
+        jax.shard_map(step, mesh=MESH, in_specs=(P(), specs, P("data"), P("data")), out_specs=(P(), specs)),
+        donate_argnums=(0, 1),
+    )
     return f.lower(params, state, x, y).compile(), state
 
 
@@ -233,7 +241,8 @@ def test_per_device_state_is_a_row_of_the_replicated_state():
     _, state = compiled(True, params)
     _, rep = compiled(False, params)
     per_device = lambda s: sum(  # noqa: E731
-        x.nbytes // (N if x.ndim == 2 and x.shape[0] == N else 1) for x in jax.tree.leaves(s))
+        x.nbytes // (N if x.ndim == 2 and x.shape[0] == N else 1) for x in jax.tree.leaves(s)
+    )
     inner_rep = sum(x.nbytes for x in jax.tree.leaves(rep.inner_state))
     inner_zero = per_device(state.inner_state)
     padding = sum(4 * (-(-leaf.size // N) - leaf.size / N) for leaf in jax.tree.leaves(params))
@@ -256,9 +265,15 @@ def test_a_replica_count_other_than_shard_optimizer_state_is_an_error():
 
 @pytest.mark.parametrize(
     "inner,match",
-    [(optax.chain(optax.clip_by_global_norm(1.0), optax.trace(0.9)), r"optax_adascale\.clip_by_global_norm"),
-     (optax.chain(optax.add_decayed_weights(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-                  optax.trace(0.9)), r"masks and labels must be given as trees")],
+    [
+        (optax.chain(optax.clip_by_global_norm(1.0), optax.trace(0.9)), r"optax_adascale\.clip_by_global_norm"),
+        (
+            optax.chain(
+                optax.add_decayed_weights(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)), optax.trace(0.9)
+            ),
+            r"masks and labels must be given as trees",
+        ),
+    ],
     ids=["optax.clip_by_global_norm", "mask from shapes"],
 )
 def test_an_inner_that_is_not_elementwise_is_rejected_at_init(inner, match):
@@ -270,8 +285,9 @@ def test_an_inner_that_is_not_elementwise_is_rejected_at_init(inner, match):
 def test_the_shard_aware_clip_equals_optax_clip_on_the_replicated_update():
     def run(zero):
         clip = optax_adascale.clip_by_global_norm(0.05) if zero else optax.clip_by_global_norm(0.05)
-        tx = optax_adascale.adascale(optax.chain(clip, optax.trace(0.9)), 0.1, axis_name="data",
-                                     shard_optimizer_state=N if zero else None)
+        tx = optax_adascale.adascale(
+            optax.chain(clip, optax.trace(0.9)), 0.1, axis_name="data", shard_optimizer_state=N if zero else None
+        )
         params = init_params()
         state = tx.init(params)
         axes = optax_adascale.state_axes(state)
@@ -289,8 +305,9 @@ def test_the_shard_aware_clip_equals_optax_clip_on_the_replicated_update():
 
 
 def test_inject_hyperparams_and_a_state_transfer_onto_four_replicas():
-    inject = optax.inject_hyperparams(optax_adascale.adascale_sgd,
-                                      static_args=("axis_name", "shard_optimizer_state", "accumulation_steps"))
+    inject = optax.inject_hyperparams(
+        optax_adascale.adascale_sgd, static_args=("axis_name", "shard_optimizer_state", "accumulation_steps")
+    )
     tx = inject(learning_rate=0.1, momentum=0.9, axis_name="data", shard_optimizer_state=N)
     params = init_params()
     state = tx.init(params)
@@ -336,8 +353,9 @@ def fsdp_run(dtype=jnp.float32, probes_to_update=True):
             updates, state = tx.update(grads, state, rows)
         return optax.apply_updates(rows, updates), state
 
-    step = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(row_specs, specs, P("data"), P("data")),
-                                 out_specs=(row_specs, specs)))
+    step = jax.jit(
+        jax.shard_map(step, mesh=MESH, in_specs=(row_specs, specs, P("data"), P("data")), out_specs=(row_specs, specs))
+    )
     log = []
     for x, y in zip(*synthetic_batches(STEPS, N, ROWS), strict=True):
         rows, state = step(rows, state, x, y)
@@ -364,8 +382,9 @@ def test_fsdp_statistics_without_sharded_state_are_an_error():
     params = init_params()
     stats = lambda g: optax_adascale.MicrobatchStats(jax.tree.map(jnp.sum, g), 1, fsdp=True)  # noqa: E731
     with pytest.raises(ValueError, match="needs the ZeRO layout: adascale\\(..., shard_optimizer_state=n\\)"):
-        jax.vmap(lambda g: tx.update(g, tx.init(params), params, microbatch_stats=stats(g)),
-                 axis_name="data")(jax.tree.map(lambda p: jnp.ones((N,) + p.shape), params))
+        jax.vmap(lambda g: tx.update(g, tx.init(params), params, microbatch_stats=stats(g)), axis_name="data")(
+            jax.tree.map(lambda p: jnp.ones((N,) + p.shape), params)
+        )
 
 
 def test_fsdp_rows_updated_without_the_probes_statistics_are_an_error():

@@ -22,10 +22,18 @@ from benchmarks.harness import report  # noqa: E402
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.adam", description=study.__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny models and grid (< 60 s on CPU)")
-    parser.add_argument("--cache", type=Path, default=None,
-                        help="cell cache directory (default benchmarks/adam/.cache; none in smoke mode unless given)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help="results file (default benchmarks/adam/README.md); the plots go to plots/ next to it")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="cell cache directory (default benchmarks/adam/.cache; none in smoke mode unless given)",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="results file (default benchmarks/adam/README.md); the plots go to plots/ next to it",
+    )
     parser.add_argument("--tasks", nargs="+", default=None, choices=("lm", "mnist1d"))
     parser.add_argument("--scales", nargs="+", type=int, default=None)
     parser.add_argument("--methods", nargs="+", default=None, choices=METHODS)
@@ -60,8 +68,18 @@ def main(argv=None):
         return 0
     plot_paths = make_plots(tasks, results, scales, seeds, results_path.parent / "plots")
     command = report.command_line("adam", argv)
-    path = write_report(results_path, tasks, results, scales, seeds, plot_paths, command,
-                        time.perf_counter() - start, cache, smoke=args.smoke)
+    path = write_report(
+        results_path,
+        tasks,
+        results,
+        scales,
+        seeds,
+        plot_paths,
+        command,
+        time.perf_counter() - start,
+        cache,
+        smoke=args.smoke,
+    )
     print(f"wrote {path} and {len(plot_paths)} plots in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -107,9 +107,12 @@ def build_optimizer(task: Task, program: str, scale: int, use_sqrt=None):
     if program in ADASCALE:
         exponent, preconditioned = ADASCALE[program]
         inner = optax.chain(optax.scale_by_adam(**adam), optax.add_decayed_weights(task.weight_decay, task.decay_mask))
-        precondition = optax_adascale.experimental.adam_preconditioner(b2=task.b2, eps=task.eps) if preconditioned else None
-        tx = optax_adascale.experimental.adascale(inner, base, axis_name=AXIS, gain_exponent=exponent,
-                                                  precondition=precondition)
+        precondition = (
+            optax_adascale.experimental.adam_preconditioner(b2=task.b2, eps=task.eps) if preconditioned else None
+        )
+        tx = optax_adascale.experimental.adascale(
+            inner, base, axis_name=AXIS, gain_exponent=exponent, precondition=precondition
+        )
         return tx, None
     if program != "fixed":
         raise ValueError(f"unknown program={program!r}")
@@ -282,5 +285,7 @@ def tune(tasks, cache, rates, log=None):
                 record = run_cell(t, BASELINE, 1, 0)
                 cache.put(record, t)
             f = record["final"]
-            log(f"{task.name:8s} lr={lr:<7g} {task.metric}={f['metric']:.4f}  val loss={f['val_loss']:.4f}  "
-                f"train loss={f['train_loss']:.4f}  ({record['wall_s']:.0f} s)")
+            log(
+                f"{task.name:8s} lr={lr:<7g} {task.metric}={f['metric']:.4f}  val loss={f['val_loss']:.4f}  "
+                f"train loss={f['train_loss']:.4f}  ({record['wall_s']:.0f} s)"
+            )

@@ -164,8 +164,14 @@ def make_plots(tasks, results, scales, seeds, plot_dir: Path) -> list[Path]:
             for method in ADASCALE:
                 r = results.get((task.name, method, s, seeds[0]))
                 if r is not None:
-                    ax.plot(plots.log_tau(r), r["logs"]["gain"], color=STYLES[method][0], ls=ls, lw=1,
-                            label=f"{method}, S={s}")
+                    ax.plot(
+                        plots.log_tau(r),
+                        r["logs"]["gain"],
+                        color=STYLES[method][0],
+                        ls=ls,
+                        lw=1,
+                        label=f"{method}, S={s}",
+                    )
             ax.axhline(s, color="grey", lw=0.5)
         ax.set_xlabel("τ (base-batch steps)")
         ax.set_ylabel("gain r_t")
@@ -274,5 +280,3 @@ def write_report(path: Path, tasks, results, scales, seeds, plot_paths, command,
     for p in plot_paths:
         out += [f"- `{rel(p)}`: {PLOT_CAPTIONS.get(Path(p).name, '')}", "", f"  ![{Path(p).stem}]({rel(p)})", ""]
     return report.write_section(path, "adam", "\n".join(out))
-
-

@@ -219,8 +219,10 @@ def mnist1d_task(*, smoke: bool = False, cache_dir: Path | None = None) -> Task:
         keys = jax.random.split(key, len(convs) + 1)
         params = {}
         for i, (k, (w, cin, cout, _)) in enumerate(zip(keys, convs, strict=False)):
-            params[f"conv{i}"] = {"w": _dense_init(k, (w, cin, cout), math.sqrt(2.0 / (w * cin))),
-                                  "b": jnp.zeros((cout,))}
+            params[f"conv{i}"] = {
+                "w": _dense_init(k, (w, cin, cout), math.sqrt(2.0 / (w * cin))),
+                "b": jnp.zeros((cout,)),
+            }
         params["dense"] = {"w": _dense_init(keys[-1], (flat, 10), math.sqrt(1.0 / flat)), "b": jnp.zeros((10,))}
         return params
 

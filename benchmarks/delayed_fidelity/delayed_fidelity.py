@@ -53,20 +53,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--results", type=Path, default=Path(__file__).with_name("README.md"))
     args = parser.parse_args(argv)
-    rows = ["| scenario (sample inputs) | exact gains | delayed gains | last gain, delayed vs exact |",
-            "|---|---|---|---:|"]
+    rows = [
+        "| scenario (sample inputs) | exact gains | delayed gains | last gain, delayed vs exact |",
+        "|---|---|---|---:|",
+    ]
     for scenario in SCENARIOS:
         exact, delayed = gains(scenario, False), gains(scenario, True)
         inputs = " then ".join(str(u) for u in dict.fromkeys(map(str, scenario)))
-        rows.append(f"| {inputs} | {', '.join(f'{g:.6f}' for g in exact)} | "
-                    f"{', '.join(f'{g:.6f}' for g in delayed)} | {100 * (delayed[-1] / exact[-1] - 1):+.1f} % |")
+        rows.append(
+            f"| {inputs} | {', '.join(f'{g:.6f}' for g in exact)} | "
+            f"{', '.join(f'{g:.6f}' for g in delayed)} | {100 * (delayed[-1] / exact[-1] - 1):+.1f} % |"
+        )
     print("\n".join(rows))
-    body = ["## Delayed gain: fidelity", "",
-            "Command: `python -m benchmarks.delayed_fidelity`. FairScale's golden scenarios (two samples per update "
-            "as two vmap replicas, two updates each): the exact gain of each update against `delayed_gain=True`, "
-            "whose first update uses gain 1 and whose second uses the exact mode's first gain. The quality side "
-            "(AS vs `AS-delayed` on the scaling benchmark's three tasks, 5 seeds) is in the "
-            "[scaling study](../scaling/README.md)'s estimator tables.", "",
-            report.kept_reading(args.results, "delayed"), "", *rows]
+    body = [
+        "## Delayed gain: fidelity",
+        "",
+        "Command: `python -m benchmarks.delayed_fidelity`. FairScale's golden scenarios (two samples per update "
+        "as two vmap replicas, two updates each): the exact gain of each update against `delayed_gain=True`, "
+        "whose first update uses gain 1 and whose second uses the exact mode's first gain. The quality side "
+        "(AS vs `AS-delayed` on the scaling benchmark's three tasks, 5 seeds) is in the "
+        "[scaling study](../scaling/README.md)'s estimator tables.",
+        "",
+        report.kept_reading(args.results, "delayed"),
+        "",
+        *rows,
+    ]
     print(f"wrote {report.write_section(args.results, 'delayed', chr(10).join(body))}")
     return 0

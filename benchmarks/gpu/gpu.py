@@ -105,8 +105,9 @@ BYTES_MODEL = {
 # --------------------------------------------------------------------------- timing
 
 
-def time_alternating(runners: dict[str, Callable[[int], None]], base: str, rounds: int, block_s: float,
-                     max_steps: int = 256) -> dict:
+def time_alternating(
+    runners: dict[str, Callable[[int], None]], base: str, rounds: int, block_s: float, max_steps: int = 256
+) -> dict:
     """Alternating blocks A B C A B C ...: median ratio to ``base`` per round, min-max, absolute ms.
 
     ``runners[name](steps)`` runs ``steps`` steps of one variant and blocks until they are done.
@@ -208,12 +209,16 @@ def _update_row(jax, jnp, optax, optax_adascale, args, leaf, n_leaves) -> dict:
     # a = mean micro-batch ‖g_j‖² (per leaf) > ‖ḡ‖²: a realistic variance, no floor.
     sq_norms = [jnp.sum(g * g) * 3.0 for g in grads]
     sgd = optax.sgd(LR, momentum=MOMENTUM)
-    txs = select(args, {
-        "sgd": sgd,
-        "floor": sgd,
-        "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM),
-        "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True),
-    }, "sgd")
+    txs = select(
+        args,
+        {
+            "sgd": sgd,
+            "floor": sgd,
+            "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM),
+            "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True),
+        },
+        "sgd",
+    )
 
     def make_step(name, tx):
         def step(params, state, g, sq):
@@ -325,8 +330,15 @@ def microbatch_case(jax, args, loss_fn, params0, batch: tuple, unroll, meta: dic
     carry = {name: (jax.tree.map(jax.numpy.copy, params0), tx.init(params0)) for name, tx in txs.items()}
     runners, compile_s, exes = compile_variants(jax, fns, carry, batch, donate=(0, 1))
     timing = time_alternating(runners, "sgd", args.rounds, args.block_s)
-    return {**meta, "params": _count(jax, params0), "num_microbatches": K_MICRO, **timing, "compile_s": compile_s,
-            "_exes": exes, "_txs": txs}
+    return {
+        **meta,
+        "params": _count(jax, params0),
+        "num_microbatches": K_MICRO,
+        **timing,
+        "compile_s": compile_s,
+        "_exes": exes,
+        "_txs": txs,
+    }
 
 
 def case_lm(jax, args) -> dict:
@@ -379,8 +391,11 @@ def case_lm_vmap(jax, args) -> dict:
     batch = (tokens[..., :-1], tokens[..., 1:])
     loss_fn = make_lm_loss(jax, jnp, cfg, remat=True)
     sgd = optax.sgd(LR, momentum=MOMENTUM)
-    txs = select(args, {"sgd": sgd, "floor": sgd,
-                        "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, axis_name=AXIS)}, "sgd")
+    txs = select(
+        args,
+        {"sgd": sgd, "floor": sgd, "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, axis_name=AXIS)},
+        "sgd",
+    )
 
     def make_step(name, tx):
         def replica(params, state, x, y):
@@ -400,9 +415,16 @@ def case_lm_vmap(jax, args) -> dict:
     carry = {name: (jax.tree.map(jnp.copy, params0), tx.init(params0)) for name, tx in txs.items()}
     runners, compile_s, _ = compile_variants(jax, fns, carry, batch, donate=(0, 1))
     timing = time_alternating(runners, "sgd", args.rounds, args.block_s)
-    return {"config": cfg, "replicas": R, "per_replica_batch": per_replica,
-            "tokens_per_step": R * per_replica * cfg["seq"], "remat": "per layer (jax.checkpoint)",
-            "params": _count(jax, params0), **timing, "compile_s": compile_s}
+    return {
+        "config": cfg,
+        "replicas": R,
+        "per_replica_batch": per_replica,
+        "tokens_per_step": R * per_replica * cfg["seq"],
+        "remat": "per layer (jax.checkpoint)",
+        "params": _count(jax, params0),
+        **timing,
+        "compile_s": compile_s,
+    }
 
 
 def _lm_cfg(args) -> dict:
@@ -423,8 +445,11 @@ def case_cnn(jax, args) -> dict:
     kx, ky = jax.random.split(jax.random.key(2))
     x = jax.random.normal(kx, (cfg["batch"], cfg["image"], cfg["image"], 3), jnp.float32)
     y = jax.random.randint(ky, (cfg["batch"],), 0, cfg["classes"])
-    meta = {"config": {**cfg, "widths": list(cfg["widths"])}, "micro_batch": cfg["batch"] // K_MICRO,
-            "compute_dtype": "bfloat16"}
+    meta = {
+        "config": {**cfg, "widths": list(cfg["widths"])},
+        "micro_batch": cfg["batch"] // K_MICRO,
+        "compute_dtype": "bfloat16",
+    }
     row = microbatch_case(jax, args, make_cnn_loss(jax, jnp), params0, (x, y), unroll=1, meta=meta)
     row.pop("_exes"), row.pop("_txs")
     return row
@@ -452,8 +477,10 @@ def case_peer(args) -> dict:
     models["adascale"].load_state_dict(models["sgd"].state_dict())
     optims = {
         "sgd": torch.optim.SGD(models["sgd"].parameters(), lr=LR, momentum=MOMENTUM),
-        "adascale": AdaScale(torch.optim.SGD(models["adascale"].parameters(), lr=LR, momentum=MOMENTUM),
-                             num_gradients_to_accumulate=K_MICRO),
+        "adascale": AdaScale(
+            torch.optim.SGD(models["adascale"].parameters(), lr=LR, momentum=MOMENTUM),
+            num_gradients_to_accumulate=K_MICRO,
+        ),
     }
     mb = cfg["micro_batch"]
     g = torch.Generator().manual_seed(1)
@@ -466,7 +493,7 @@ def case_peer(args) -> dict:
         def run(steps: int) -> None:
             for _ in range(steps):
                 for j in range(K_MICRO):  # the loss scaled by 1/k: FairScale's default is_scaled_loss=True
-                    x, y = tokens[j * mb:(j + 1) * mb, :-1], tokens[j * mb:(j + 1) * mb, 1:]
+                    x, y = tokens[j * mb : (j + 1) * mb, :-1], tokens[j * mb : (j + 1) * mb, 1:]
                     with torch.autocast(device.type, dtype=torch.bfloat16):
                         logits = model(x)
                     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -484,8 +511,11 @@ def case_peer(args) -> dict:
     out = {
         "torch": torch.__version__,
         "fairscale": fairscale.__version__,
-        "device": (torch.cuda.get_device_name() if device.type == "cuda"
-                   else f"cpu, {torch.get_num_threads()} intra-op thread(s)"),
+        "device": (
+            torch.cuda.get_device_name()
+            if device.type == "cuda"
+            else f"cpu, {torch.get_num_threads()} intra-op thread(s)"
+        ),
         "config": cfg,
         "params": sum(p.numel() for p in models["sgd"].parameters()),
         "tokens_per_step": K_MICRO * mb * cfg["seq"],
@@ -502,8 +532,13 @@ def case_peer(args) -> dict:
 # --------------------------------------------------------------------------- case 5: HLO top costs
 
 
-SCOPES = ("adascale/reduce", "adascale/statistics", "adascale/learning_rate", "adascale/scale_updates",
-          "adascale/state")
+SCOPES = (
+    "adascale/reduce",
+    "adascale/statistics",
+    "adascale/learning_rate",
+    "adascale/scale_updates",
+    "adascale/state",
+)
 
 
 def hlo_costs(text: str, skip: tuple[str, ...] = ()) -> list[dict]:
@@ -514,8 +549,13 @@ def hlo_costs(text: str, skip: tuple[str, ...] = ()) -> list[dict]:
     for r in _hlo.instruction_bytes(text, skip):
         scope = next((s for s in SCOPES if s in r["op_name"]), "")
         path = r.pop("op_name")
-        rows.append({**r, "result": _short_type(r["result"]),
-                     "scope": scope or (f"other: {_short_path(path)}" if path else "other (no op_name)")})
+        rows.append(
+            {
+                **r,
+                "result": _short_type(r["result"]),
+                "scope": scope or (f"other: {_short_path(path)}" if path else "other (no op_name)"),
+            }
+        )
     return rows
 
 
@@ -523,8 +563,11 @@ def _short_type(t: str) -> str:
     from optax_adascale import _hlo
 
     arrays = [f"{dt}[{','.join(map(str, dims))}]" for dt, dims in _hlo.arrays(t)]
-    return arrays[0] if len(arrays) == 1 else f"({len(arrays)} arrays) " + ", ".join(arrays[:2]) + (
-        ", ..." if len(arrays) > 2 else "")
+    return (
+        arrays[0]
+        if len(arrays) == 1
+        else f"({len(arrays)} arrays) " + ", ".join(arrays[:2]) + (", ..." if len(arrays) > 2 else "")
+    )
 
 
 def _short_path(path: str) -> str:
@@ -554,15 +597,23 @@ def case_profile(jax, args) -> dict:
         for name in missing:
             lowered = jax.jit(fns[name], donate_argnums=(0, 1)).lower(params, txs[name].init(params), x, x)
             texts[name] = lowered.compile().as_text()
-    out = {"config": cfg, "params": _count(jax, params), "program": "the LM step (lm case), entry computation "
-           "without the micro-batch loop", "programs": {}}
+    out = {
+        "config": cfg,
+        "params": _count(jax, params),
+        "program": "the LM step (lm case), entry computation without the micro-batch loop",
+        "programs": {},
+    }
     for name in ("sgd", "adascale"):
         rows = sorted(hlo_costs(texts[name], skip=("while",)), key=lambda r: -r["bytes"])
         by_scope: dict[str, int] = {}
         for r in rows:
             by_scope[r["scope"]] = by_scope.get(r["scope"], 0) + r["bytes"]
-        out["programs"][name] = {"total_bytes": sum(r["bytes"] for r in rows), "instructions": len(rows),
-                                 "bytes_by_scope": by_scope, "top": rows[: args.top]}
+        out["programs"][name] = {
+            "total_bytes": sum(r["bytes"] for r in rows),
+            "instructions": len(rows),
+            "bytes_by_scope": by_scope,
+            "top": rows[: args.top],
+        }
     param_bytes = 4 * out["params"]
     out["total_bytes_in_param_words"] = {n: p["total_bytes"] / param_bytes for n, p in out["programs"].items()}
     return out
@@ -570,12 +621,18 @@ def case_profile(jax, args) -> dict:
 
 def print_top_costs(prof: dict) -> None:
     words = prof["total_bytes_in_param_words"]
-    print(f"  top costs of the update in the LM step ({_p(prof['params'])} params); total bytes / "
-          f"(4 x params): sgd {words['sgd']:.2f}, adascale {words['adascale']:.2f}", flush=True)
+    print(
+        f"  top costs of the update in the LM step ({_p(prof['params'])} params); total bytes / "
+        f"(4 x params): sgd {words['sgd']:.2f}, adascale {words['adascale']:.2f}",
+        flush=True,
+    )
     print(f"  {'MB':>9s}  {'instruction':28s} {'kind':8s} {'result':22s} scope", flush=True)
     for r in prof["programs"]["adascale"]["top"]:
-        print(f"  {r['bytes'] / 1e6:9.2f}  {r['name'][:28]:28s} {r['kind'] or r['op']:8s} {r['result'][:22]:22s} "
-              f"{r['scope']}", flush=True)
+        print(
+            f"  {r['bytes'] / 1e6:9.2f}  {r['name'][:28]:28s} {r['kind'] or r['op']:8s} {r['result'][:22]:22s} "
+            f"{r['scope']}",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------- main
@@ -588,11 +645,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few rounds (seconds on a CPU)")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--no-peer", action="store_true", help="skip the torch/FairScale case")
-    parser.add_argument("--variants", nargs="+", default=None,
-                        help="time only these variants (each case keeps its baseline), e.g. adascale")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="time only these variants (each case keeps its baseline), e.g. adascale",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 15; smoke 3)")
-    parser.add_argument("--block-s", type=float, default=None,
-                        help="seconds a baseline block should last (default 0.2; smoke 0.01)")
+    parser.add_argument(
+        "--block-s", type=float, default=None, help="seconds a baseline block should last (default 0.2; smoke 0.01)"
+    )
     parser.add_argument("--vocab", type=int, default=None, help="the LM's vocabulary (default 32000; smoke 256)")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads when it runs on a CPU")
     parser.add_argument("--top", type=int, default=8, help="fusions listed in the top-costs table")
@@ -681,5 +743,7 @@ def print_case(name: str, res: dict) -> None:
         print(f"  {_p(row['params'])} params | " + " | ".join(parts), flush=True)
         if "achieved_GBps" in row:
             gb = row["achieved_GBps"]
-            print("    GB/s (5 words/param; copy 2 words/elem): "
-                  + ", ".join(f"{v} {x:.1f}" for v, x in gb.items()), flush=True)
+            print(
+                "    GB/s (5 words/param; copy 2 words/elem): " + ", ".join(f"{v} {x:.1f}" for v, x in gb.items()),
+                flush=True,
+            )

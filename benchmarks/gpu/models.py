@@ -19,14 +19,21 @@ def lm_init(jax, jnp, cfg: dict, seed: int = 0) -> dict:
         "wte": normal((V, d), 0.02),
         "wpe": normal((T, d), 0.01),
         "blocks": {
-            "ln1_g": jnp.ones((L, d)), "ln1_b": jnp.zeros((L, d)),
-            "w_qkv": normal((L, d, 3 * d), 0.02), "b_qkv": jnp.zeros((L, 3 * d)),
-            "w_o": normal((L, d, d), resid), "b_o": jnp.zeros((L, d)),
-            "ln2_g": jnp.ones((L, d)), "ln2_b": jnp.zeros((L, d)),
-            "w_fc": normal((L, d, 4 * d), 0.02), "b_fc": jnp.zeros((L, 4 * d)),
-            "w_proj": normal((L, 4 * d, d), resid), "b_proj": jnp.zeros((L, d)),
+            "ln1_g": jnp.ones((L, d)),
+            "ln1_b": jnp.zeros((L, d)),
+            "w_qkv": normal((L, d, 3 * d), 0.02),
+            "b_qkv": jnp.zeros((L, 3 * d)),
+            "w_o": normal((L, d, d), resid),
+            "b_o": jnp.zeros((L, d)),
+            "ln2_g": jnp.ones((L, d)),
+            "ln2_b": jnp.zeros((L, d)),
+            "w_fc": normal((L, d, 4 * d), 0.02),
+            "b_fc": jnp.zeros((L, 4 * d)),
+            "w_proj": normal((L, 4 * d, d), resid),
+            "b_proj": jnp.zeros((L, d)),
         },
-        "ln_f_g": jnp.ones((d,)), "ln_f_b": jnp.zeros((d,)),
+        "ln_f_g": jnp.ones((d,)),
+        "ln_f_b": jnp.zeros((d,)),
     }
     return jax.tree.map(jnp.asarray, params)
 
@@ -97,8 +104,9 @@ def make_cnn_loss(jax, jnp) -> Callable:
     import optax
 
     def conv_bn(x, p, stride, relu=True):
-        y = jax.lax.conv_general_dilated(x, p["w"].astype(jnp.bfloat16), (stride, stride), "SAME",
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y = jax.lax.conv_general_dilated(
+            x, p["w"].astype(jnp.bfloat16), (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
         y32 = y.astype(jnp.float32)
         mu = jnp.mean(y32, (0, 1, 2))
         var = jnp.mean(jnp.square(y32 - mu), (0, 1, 2))

@@ -45,8 +45,11 @@ def mlp(d: int, h: int):
     import jax.numpy as jnp
 
     k1, k2 = jax.random.split(jax.random.key(0))
-    params = {"w1": jax.random.normal(k1, (d, h)) / d**0.5, "b1": jnp.zeros(h),
-              "w2": jax.random.normal(k2, (h, d)) / h**0.5}
+    params = {
+        "w1": jax.random.normal(k1, (d, h)) / d**0.5,
+        "b1": jnp.zeros(h),
+        "w2": jax.random.normal(k2, (h, d)) / h**0.5,
+    }
 
     def loss(p, x, y):
         hidden = jnp.tanh(x @ p["w1"] + p["b1"])
@@ -74,8 +77,11 @@ def compile_steps(layout: str, *, d: int, h: int, rows: int, k: int = 1):
     compiled = []
     for tx, ours in ((optax_adascale.adascale_sgd(0.1, momentum=0.9), True), (optax.sgd(0.1, momentum=0.9), False)):
         state = jax.eval_shape(tx.init, params)
-        s_sh = optax_adascale.state_shardings(state, params, p_sh) if hasattr(optax_adascale, "state_shardings") \
+        s_sh = (
+            optax_adascale.state_shardings(state, params, p_sh)
+            if hasattr(optax_adascale, "state_shardings")
             else _state_shardings(state, params, p_sh, mesh)
+        )
 
         def step(p, s, x, y, tx=tx, ours=ours):
             if ours:
@@ -135,8 +141,11 @@ def replica_groups(line: str, num_devices: int) -> list[set[int]]:
         if m.group(4):
             ids = ids.transpose([int(v) for v in m.group(4).split(",")])
         return [set(row) for row in ids.reshape(int(m.group(1)), int(m.group(2))).tolist()]
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]"
-                  r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", line)
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\]"
+        r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}",
+        line,
+    )
     if m:
         axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
         ids = np.arange(num_devices)
@@ -243,8 +252,11 @@ def compile_own_loop(recipe: str, layout: str, *, d: int, h: int, rows: int, k: 
     shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params, p_sh)
     state_shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, s_sh)
     with jax.set_mesh(mesh):
-        compiled = jax.jit(step, out_shardings=(p_sh, s_sh, NamedSharding(mesh, P()))).lower(
-            shapes, state_shapes, x, x).compile()
+        compiled = (
+            jax.jit(step, out_shardings=(p_sh, s_sh, NamedSharding(mesh, P())))
+            .lower(shapes, state_shapes, x, x)
+            .compile()
+        )
     return compiled, {dev.id: i for i, row in enumerate(mesh.devices) for dev in row}
 
 
@@ -254,8 +266,16 @@ def measure(*, d: int, h: int, rows: int, ks=(1, 2), layouts=LAYOUTS) -> list[di
         for layout in layouts:
             ours, base, data_of = compile_steps(layout, d=d, h=h, rows=rows, k=k)
             o, b = facts(ours, data_of), facts(base, data_of)
-            results.append({"layout": layout, "k": k, "shape": f"{d}→{h}→{d}, {rows} rows", "drop_in": o, "sgd": b,
-                            "memory_ratio": o["memory"] / b["memory"]})
+            results.append(
+                {
+                    "layout": layout,
+                    "k": k,
+                    "shape": f"{d}→{h}→{d}, {rows} rows",
+                    "drop_in": o,
+                    "sgd": b,
+                    "memory_ratio": o["memory"] / b["memory"],
+                }
+            )
     return results
 
 
@@ -274,8 +294,12 @@ def measure_loops(*, d: int, h: int, rows: int, k: int = 2, layouts=LAYOUTS) -> 
 
 
 def loop_table(results: list[dict]) -> str:
-    names = {"sgd": "own loop + SGD", "naive": "own loop, ‖g_j‖² of global micro-batches",
-             "drop_in": "own loop, drop-in per micro-batch", "num_microbatches": "drop-in, num_microbatches=k"}
+    names = {
+        "sgd": "own loop + SGD",
+        "naive": "own loop, ‖g_j‖² of global micro-batches",
+        "drop_in": "own loop, drop-in per micro-batch",
+        "num_microbatches": "drop-in, num_microbatches=k",
+    }
     lines = ["| layout | " + " | ".join(names.values()) + " |", "|---" * (len(names) + 1) + "|"]
     for r in results:
         cells = [f"{r[key]['data_reductions_in_loop']} in loop, {r[key]['memory'] / 2**20:.2f} MiB" for key in names]

@@ -205,9 +205,7 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
             if name in ("sgd_zero", "zero_floor"):
                 body = functools.partial(zero_sgd_body, with_norm=name == "zero_floor")
             step = jax.jit(
-                jax.shard_map(
-                    body, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs, P())
-                ),
+                jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs, P())),
                 donate_argnums=(0, 1),
             )
             params = jax.device_put(params0, NamedSharding(mesh, P()))
@@ -237,9 +235,12 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
             "largest_leaf_passes": _hlo.passes_over(text, largest_shape),
             "large_copies": _hlo.count_large_copies(text),
             "state_bytes": int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tx.init(params0)))),
-            "state_bytes_per_device": int(sum(
-                a.size * a.dtype.itemsize // (n if name in SHARD_MAP_ONLY and a.ndim == 2 else 1)
-                for a in jax.tree.leaves(state0))),
+            "state_bytes_per_device": int(
+                sum(
+                    a.size * a.dtype.itemsize // (n if name in SHARD_MAP_ONLY and a.ndim == 2 else 1)
+                    for a in jax.tree.leaves(state0)
+                )
+            ),
             "collective_bytes": _hlo.collective_bytes(text, min_elements=2),
         }
         for _ in range(2 * k):  # warm up, keep the donated buffers flowing
@@ -277,11 +278,15 @@ def write_report(files: list[Path], results_md: Path) -> Path:
 
     runs = [json.loads(f.read_text()) for f in files]
     rows = [(run["meta"], row) for run in runs for row in run["results"]]
-    plot = plot_ratios([row for _, row in rows if "multi4" in row["ratios"]],
-                       results_md.parent / "plots" / "overhead_ratios.png")
+    plot = plot_ratios(
+        [row for _, row in rows if "multi4" in row["ratios"]], results_md.parent / "plots" / "overhead_ratios.png"
+    )
     out = ["## Overhead", "", "Commands (each writes one JSON file; `--report` turns them into this section):", ""]
-    out += [f"- `{run['meta']['command'].strip()}` on {run['meta']['device']}, host {run['meta']['host']}, "
-            f"{run['meta']['rounds']} rounds of {run['meta']['steps_per_block']} updates per block" for run in runs]
+    out += [
+        f"- `{run['meta']['command'].strip()}` on {run['meta']['device']}, host {run['meta']['host']}, "
+        f"{run['meta']['rounds']} rounds of {run['meta']['steps_per_block']} updates per block"
+        for run in runs
+    ]
     out += ["", report.kept_reading(results_md, "overhead"), ""]
     out += [
         "### Step time, as ratios to SGD + pmean (median over rounds, min–max)",

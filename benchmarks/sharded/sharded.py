@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     jax.config.update("jax_num_cpu_devices", 8)
     rows = measure(jax, args.width)
-    meta = {"command": report.command_line("sharded", argv),
-            "jax": jax.__version__, "width": args.width}
+    meta = {"command": report.command_line("sharded", argv), "jax": jax.__version__, "width": args.width}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     for row in rows:
         print(f"{row['layout']:22s} " + " | ".join(f"{k} {v}" for k, v in row.items() if k != "layout"))
@@ -72,13 +71,20 @@ def measure(jax, width: int) -> list[dict]:
     d, h, c, rows_per = width, 4 * width, width, 8
     rng = np.random.default_rng(0)
     # Every leaf has at least `width` elements: "gradient-sized" means at least min(1024, width) elements.
-    params0 = {"w1": (rng.normal(size=(d, h)) / np.sqrt(d)).astype(np.float32), "b1": np.zeros(h, np.float32),
-               "w2": (rng.normal(size=(h, c)) / np.sqrt(h)).astype(np.float32), "b2": np.zeros(c, np.float32)}
+    params0 = {
+        "w1": (rng.normal(size=(d, h)) / np.sqrt(d)).astype(np.float32),
+        "b1": np.zeros(h, np.float32),
+        "w2": (rng.normal(size=(h, c)) / np.sqrt(h)).astype(np.float32),
+        "b2": np.zeros(c, np.float32),
+    }
     x = rng.normal(size=(4, rows_per, d)).astype(np.float32)
     y = rng.normal(size=(4, rows_per, c)).astype(np.float32)
     tp = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
-    layouts = {"TP": tp, "FSDP": {"w1": P(None, "data"), "b1": P("data"), "w2": P("data", None), "b2": P()},
-               "TP×FSDP": {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", "data"), "b2": P("data")}}
+    layouts = {
+        "TP": tp,
+        "FSDP": {"w1": P(None, "data"), "b1": P("data"), "w2": P("data", None), "b2": P()},
+        "TP×FSDP": {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", "data"), "b2": P("data")},
+    }
 
     def full_loss(p, x, y):
         return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
@@ -94,20 +100,24 @@ def measure(jax, width: int) -> list[dict]:
     def facts(compiled):
         text = compiled.as_text()
         mem = compiled.memory_analysis()
-        return {"collectives": {k: v for k, v in _hlo.count_collectives(text).items() if v},
-                "bytes": _hlo.collective_bytes(text, min_elements=min_elements),
-                "memory": int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes),
-                "host_callbacks": _hlo.count_host_callbacks(text)}
+        return {
+            "collectives": {k: v for k, v in _hlo.count_collectives(text).items() if v},
+            "bytes": _hlo.collective_bytes(text, min_elements=min_elements),
+            "memory": int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes),
+            "host_callbacks": _hlo.count_host_callbacks(text),
+        }
 
     def compare(layout, build):
         ours, base = facts(build(True)), facts(build(False))
-        return {"layout": layout,
-                "collectives (AdaScale)": ours["collectives"], "collectives (SGD)": base["collectives"],
-                "gradient-sized bytes (AdaScale / SGD)": f"{ours['bytes']['large_bytes']} / "
-                                                         f"{base['bytes']['large_bytes']}",
-                "extra scalar all-reduces": ours["bytes"]["small_all_reduces"] - base["bytes"]["small_all_reduces"],
-                "memory per device (AdaScale / SGD)": round(ours["memory"] / base["memory"], 4),
-                "host callbacks": ours["host_callbacks"]}
+        return {
+            "layout": layout,
+            "collectives (AdaScale)": ours["collectives"],
+            "collectives (SGD)": base["collectives"],
+            "gradient-sized bytes (AdaScale / SGD)": f"{ours['bytes']['large_bytes']} / {base['bytes']['large_bytes']}",
+            "extra scalar all-reduces": ours["bytes"]["small_all_reduces"] - base["bytes"]["small_all_reduces"],
+            "memory per device (AdaScale / SGD)": round(ours["memory"] / base["memory"], 4),
+            "host callbacks": ours["host_callbacks"],
+        }
 
     def placed(specs, m=mesh):
         return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(m, s)), params0, specs)
@@ -142,13 +152,17 @@ def measure(jax, width: int) -> list[dict]:
             u, s = t.update(g, s, p)
             return optax.apply_updates(p, u), s
 
-        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P()),
-                                  axis_names={"data"}))
+        f = jax.jit(
+            jax.shard_map(
+                step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P()), axis_names={"data"}
+            )
+        )
         return f.lower(params, t.init(params), x, y).compile()
 
     rows.append(compare("partial-manual TP", partial_manual))
 
     for name, specs in layouts.items():
+
         def gspmd(ours, specs=specs):
             t = adascale if ours else sgd
             params = placed(specs)
@@ -194,8 +208,9 @@ def measure(jax, width: int) -> list[dict]:
                 full = jax.lax.all_gather(u, "data", axis=0, tiled=True, to="invarying")
                 return optax.apply_updates(p, jax.tree.map(from_rows, full, p)), s
 
-        f = jax.jit(jax.shard_map(step, mesh=mesh1, in_specs=(P(), specs, P("data"), P("data")),
-                                  out_specs=(P(), specs)))
+        f = jax.jit(
+            jax.shard_map(step, mesh=mesh1, in_specs=(P(), specs, P("data"), P("data")), out_specs=(P(), specs))
+        )
         return f.lower(params0, state, x8, y8).compile()
 
     rows.append(compare("ZeRO (8 replicas)", zero))
@@ -223,8 +238,11 @@ def measure(jax, width: int) -> list[dict]:
                 u, s = sgd.update(jax.tree.map(lambda a: a / 8, g), s, r)
             return optax.apply_updates(r, u), s
 
-        f = jax.jit(jax.shard_map(step, mesh=mesh1, in_specs=(row_specs, specs, P("data"), P("data")),
-                                  out_specs=(row_specs, specs)))
+        f = jax.jit(
+            jax.shard_map(
+                step, mesh=mesh1, in_specs=(row_specs, specs, P("data"), P("data")), out_specs=(row_specs, specs)
+            )
+        )
         return f.lower(rows_, state, x8, y8).compile()
 
     rows.append(compare("FSDP (shard_map, 8)", fsdp))
@@ -237,9 +255,18 @@ def gpt_shapes(d_model: int, layers: int, vocab: int, seq: int) -> dict:
     import jax.numpy as jnp
 
     f = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    block = {"ln1": f(d_model), "qkv": f(d_model, 3 * d_model), "qkv_b": f(3 * d_model), "proj": f(d_model, d_model),
-             "proj_b": f(d_model), "ln2": f(d_model), "fc": f(d_model, 4 * d_model), "fc_b": f(4 * d_model),
-             "out": f(4 * d_model, d_model), "out_b": f(d_model)}
+    block = {
+        "ln1": f(d_model),
+        "qkv": f(d_model, 3 * d_model),
+        "qkv_b": f(3 * d_model),
+        "proj": f(d_model, d_model),
+        "proj_b": f(d_model),
+        "ln2": f(d_model),
+        "fc": f(d_model, 4 * d_model),
+        "fc_b": f(4 * d_model),
+        "out": f(4 * d_model, d_model),
+        "out_b": f(d_model),
+    }
     return {"embed": f(vocab, d_model), "pos": f(seq, d_model), "blocks": [block] * layers, "ln_f": f(d_model)}
 
 
@@ -249,8 +276,10 @@ def memory_rows(jax) -> list[dict]:
 
     import optax_adascale
 
-    models = {"GPT 124M (d 768, 12 layers)": gpt_shapes(768, 12, 50257, 1024),
-              "GPT 1.3B (d 2048, 24 layers)": gpt_shapes(2048, 24, 50257, 2048)}
+    models = {
+        "GPT 124M (d 768, 12 layers)": gpt_shapes(768, 12, 50257, 1024),
+        "GPT 1.3B (d 2048, 24 layers)": gpt_shapes(2048, 24, 50257, 2048),
+    }
     inners = {"momentum SGD": optax.trace(0.9), "Adam": optax.scale_by_adam()}
     rows = []
     for model, shapes in models.items():
@@ -279,29 +308,43 @@ def _device_bytes(jax, state, n: int) -> int:
 
 
 def write_report(meta: dict, rows: list[dict], results_md: Path) -> Path:
-    out = ["## Sharded models and state", "",
-           f"Command: `{meta['command'].strip()}` (JAX {meta['jax']}, 8 virtual CPU devices; an MLP "
-           f"{meta['width']}→{4 * meta['width']}→{meta['width']}). Facts of the compiled step, no timing: "
-           "AdaScale against `optax.sgd(momentum=0.9)` + `pmean` on the same sharding (for ZeRO and FSDP, "
-           "against SGD with the same sharded update).", "",
-           report.kept_reading(results_md, "sharded"), "",
-           "| layout | collectives, AdaScale | collectives, SGD | gradient-sized bytes (AdaScale / SGD) | "
-           "extra scalar all-reduces | memory per device, AdaScale / SGD |",
-           "|---|---|---|---:|---:|---:|"]
+    out = [
+        "## Sharded models and state",
+        "",
+        f"Command: `{meta['command'].strip()}` (JAX {meta['jax']}, 8 virtual CPU devices; an MLP "
+        f"{meta['width']}→{4 * meta['width']}→{meta['width']}). Facts of the compiled step, no timing: "
+        "AdaScale against `optax.sgd(momentum=0.9)` + `pmean` on the same sharding (for ZeRO and FSDP, "
+        "against SGD with the same sharded update).",
+        "",
+        report.kept_reading(results_md, "sharded"),
+        "",
+        "| layout | collectives, AdaScale | collectives, SGD | gradient-sized bytes (AdaScale / SGD) | "
+        "extra scalar all-reduces | memory per device, AdaScale / SGD |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for r in rows:
         fmt = lambda c: ", ".join(f"{k} {v}" for k, v in c.items()) or "none"  # noqa: E731
-        out.append(f"| {r['layout']} | {fmt(r['collectives (AdaScale)'])} | {fmt(r['collectives (SGD)'])} | "
-                   f"{r['gradient-sized bytes (AdaScale / SGD)']} | {r['extra scalar all-reduces']} | "
-                   f"{r['memory per device (AdaScale / SGD)']:.4f} |")
+        out.append(
+            f"| {r['layout']} | {fmt(r['collectives (AdaScale)'])} | {fmt(r['collectives (SGD)'])} | "
+            f"{r['gradient-sized bytes (AdaScale / SGD)']} | {r['extra scalar all-reduces']} | "
+            f"{r['memory per device (AdaScale / SGD)']:.4f} |"
+        )
     import jax
 
-    out += ["", "### Optimizer state per device, replicated vs ZeRO (computed)", "",
-            "From `jax.eval_shape(tx.init, shapes)` of `adascale(inner, ..., shard_optimizer_state=n)`: the rows "
-            "`(n, m)` count 1/n per device (the last row's padding included), the O(1) scalars whole. MB = 10⁶ bytes.",
-            "", "| model | inner | replicated | n = 8 | n = 64 | n = 1024 | replicated / ZeRO at 1024 |",
-            "|---|---|---:|---:|---:|---:|---:|"]
+    out += [
+        "",
+        "### Optimizer state per device, replicated vs ZeRO (computed)",
+        "",
+        "From `jax.eval_shape(tx.init, shapes)` of `adascale(inner, ..., shard_optimizer_state=n)`: the rows "
+        "`(n, m)` count 1/n per device (the last row's padding included), the O(1) scalars whole. MB = 10⁶ bytes.",
+        "",
+        "| model | inner | replicated | n = 8 | n = 64 | n = 1024 | replicated / ZeRO at 1024 |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in memory_rows(jax):
         mb = lambda b: f"{b / 1e6:,.1f}"  # noqa: E731
-        out.append(f"| {r['model']} | {r['inner']} | {mb(r['replicated'])} | {mb(r[8])} | {mb(r[64])} | "
-                   f"{mb(r[1024])} | {r['replicated'] / r[1024]:.0f}× |")
+        out.append(
+            f"| {r['model']} | {r['inner']} | {mb(r['replicated'])} | {mb(r[8])} | {mb(r[64])} | "
+            f"{mb(r[1024])} | {r['replicated'] / r[1024]:.0f}× |"
+        )
     return report.write_section(results_md, "sharded", "\n".join(out))
