@@ -45,11 +45,14 @@ def axis_size(axis_name: AxisName | None) -> int:
         try:
             size *= lax.axis_size(name)
         except NameError as err:
+            bound = [a for a in manual_axes() if a not in axis_names(axis_name)]
+            hint = (f" The axes bound here are {bound}: if one of them is the data-parallel axis, pass "
+                    f"axis_name={bound[0] if len(bound) == 1 else tuple(bound)!r}.") if bound else ""
             raise ValueError(
                 f"axis_name={axis_name!r}: the axis {name!r} is not bound where update() "
                 "was called. Call update inside jax.pmap(..., axis_name=...), "
                 "jax.shard_map over a mesh with that axis, or jax.vmap(..., axis_name=...); "
-                "or pass axis_name=None for a single replica."
+                "or pass axis_name=None for a single replica." + hint
             ) from err
     return int(size)
 
