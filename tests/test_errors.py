@@ -10,6 +10,8 @@ corrupt the state.
 * Mixed precision: statistics square in float32, so large low-precision gradients neither overflow nor propagate.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -593,3 +595,86 @@ def test_loss_scaled_float16_gradients_unscaled_before_update_match_float32():
     assert float(optax_adascale.metrics(s16)["gain"]) == pytest.approx(
         float(optax_adascale.metrics(s32)["gain"]), rel=1e-2
     )
+
+
+R_PARAMS = jnp.zeros(3)
+
+
+def _vmap_update(tx, grads, state, params):
+    """``tx.update`` with the replicas as a vmap axis ``"i"`` (one gradient row per replica)."""
+    return jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")(grads, state, params)
+
+
+# --------------------------------------------------------------------------- bug 6: pmap without the right axis
+
+
+@pytest.mark.parametrize("axis_name", [None, "data"])
+def test_pmap_over_an_axis_the_optimizer_does_not_name_says_to_set_axis_name(axis_name):
+    tx = optax_adascale.adascale_sgd(0.1, axis_name=axis_name)
+    step = jax.pmap(lambda g, s: tx.update(g, s, R_PARAMS), axis_name="batch", in_axes=(0, None))
+    with pytest.raises(ValueError, match=r"axis_name=.*'batch'") as err:
+        step(jnp.ones((2, 3)), tx.init(R_PARAMS))
+    assert f"axis_name={axis_name!r}" in str(err.value)
+
+
+# --------------------------------------------------------------------------- bug 8: smaller ones
+
+
+def test_a_constant_learning_rate_of_zero_warns_naming_learning_rate():
+    with pytest.warns(UserWarning, match=r"learning_rate=0"):
+        optax_adascale.adascale_sgd(0.0, axis_name="i")
+
+
+def test_a_learning_rate_schedule_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optax_adascale.adascale_sgd(optax.constant_schedule(0.0), axis_name="i")
+        optax_adascale.adascale_sgd(0.1, axis_name="i")
+
+
+def test_the_single_replica_warning_points_at_the_users_call_through_the_flax_train_state():
+    from optax_adascale.flax import TrainState
+
+    params = {"w": R_PARAMS}
+    state = TrainState.create(apply_fn=None, params=params, tx=optax_adascale.adascale_sgd(0.1, axis_name="i"))
+
+    def step(state, grads):
+        return state.apply_gradients(grads=grads)  # the user's call
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.vmap(step, in_axes=(None, 0), out_axes=None, axis_name="i")(state, {"w": jnp.ones((1, 3))})
+    found = [w for w in caught if "single replica" in str(w.message)]
+    assert found and found[0].filename == __file__
+
+
+def test_the_single_replica_warning_points_at_the_users_call_of_update():
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="i")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _vmap_update(tx, jnp.ones((1, 3)), tx.init(R_PARAMS), R_PARAMS)
+    found = [w for w in caught if "single replica" in str(w.message)]
+    assert found and found[0].filename == __file__
+
+
+def test_a_state_from_an_inner_of_another_structure_is_a_value_error_naming_transfer_state():
+    tx = optax_adascale.adascale(optax.trace(0.9), 0.1, accumulation_steps=2)
+    other = optax_adascale.adascale(optax.identity(), 0.1, accumulation_steps=2).init(R_PARAMS)
+    with pytest.raises(ValueError, match=r"opt_state does not match this transformation.*transfer_state"):
+        tx.update(jnp.ones(3), other, R_PARAMS)
+
+
+def test_a_state_that_is_not_adascales_is_a_value_error_naming_transfer_state():
+    tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"opt_state does not match this transformation.*transfer_state"):
+        tx.update(jnp.ones(3), optax.sgd(0.1).init(R_PARAMS), R_PARAMS)
+
+
+@pytest.mark.parametrize("labelled_source", [True, False], ids=["labelled_to_plain", "plain_to_labelled"])
+def test_transfer_state_between_labelled_and_unlabelled_names_param_labels(labelled_source):
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    labelled = optax_adascale.adascale_sgd(0.1, accumulation_steps=2, param_labels={"a": "x", "b": "y"})
+    plain = optax_adascale.adascale_sgd(0.1, accumulation_steps=2)
+    source, target = (labelled, plain) if labelled_source else (plain, labelled)
+    with pytest.raises(ValueError, match=r"param_labels"):
+        optax_adascale.transfer_state(source.init(params), target.init(params))

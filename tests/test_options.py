@@ -220,3 +220,75 @@ def test_adascale_adamw_scales_the_whole_adamw_step_by_the_gain():
     expected = -2.0 * lr * (mean / (np.abs(mean) + eps) + wd * np.array([2.0, -4.0]))
     np.testing.assert_allclose(updates, expected, rtol=1e-4)  # Adam's 1 − β₂ᵗ in float32: 2e-5 relative
     assert float(optax_adascale.metrics(state)["gain"]) == pytest.approx(2.0)
+
+
+R_PARAMS = jnp.zeros(3)
+
+
+def vmap_update(tx, grads, state, params):
+    """``tx.update`` with the replicas as a vmap axis ``"i"`` (one gradient row per replica)."""
+    return jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")(grads, state, params)
+
+
+# --------------------------------------------------------------------------- bug 4: a long horizon
+
+
+def test_a_horizon_beyond_float32_resolution_averages_the_samples():
+    # H = 1e9: θ = exp(−r/H) rounds to 1.0 in float32. As H → ∞, 1 − θ_t → r_{t−1}/H, so the debiased
+    # average tends to the mean of the samples weighted by the previous gain; computed by hand from
+    # each step's a and b.
+    rng = np.random.default_rng(0)
+    grads = rng.normal(size=(6, 2, 3)).astype(np.float32) + np.float32(0.5)
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=1e9)
+    state = tx.init(R_PARAMS)
+    var_sum = sqr_sum = total = 0.0
+    for g in grads:
+        weight = float(state.gain)  # r_{t−1}: 1 before the first update
+        _, state = vmap_update(tx, jnp.asarray(g), state, R_PARAMS)
+        a = np.mean(np.sum(g.astype(np.float64) ** 2, axis=1))
+        b = np.sum(np.mean(g.astype(np.float64), axis=0) ** 2)
+        var = max(2 / (2 - 1) * (a - b), 1e-6)
+        var_sum += weight * var
+        sqr_sum += weight * max(b - var / 2, 0.0)
+        total += weight
+        v, m = var_sum / total, sqr_sum / total
+        expected = min(max((v + m) / (v / 2 + m), 1.0), 2.0)
+        assert float(optax_adascale.metrics(state)["gain"]) == pytest.approx(expected, rel=1e-4)
+    assert float(optax_adascale.metrics(state)["gain"]) > 1.05  # not the stuck gain of 1
+
+
+def test_a_horizon_beyond_float32_resolution_reports_a_finite_noise_scale():
+    rng = np.random.default_rng(1)
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=1e9)
+    state = tx.init(R_PARAMS)
+    for _ in range(3):
+        _, state = vmap_update(tx, jnp.asarray(rng.normal(size=(2, 3)), jnp.float32) + 1.0, state, R_PARAMS)
+    m = optax_adascale.metrics(state)
+    assert np.isfinite(float(m["grad_var"])) and float(m["grad_var"]) > 0
+    assert 0 < float(m["noise_scale"]) < np.inf
+
+
+def test_noise_scale_of_a_non_finite_state_is_nan_not_zero():
+    state = optax_adascale.adascale_sgd(0.1, accumulation_steps=2).init(R_PARAMS)
+    state = state._replace(grad_var=jnp.float32(np.nan), grad_sqr=jnp.float32(np.nan))
+    assert np.isnan(float(optax_adascale.metrics(state)["noise_scale"]))
+
+
+def test_non_finite_moving_averages_skip_the_update():
+    # A state whose averages are NaN (e.g. restored from a broken run) must not produce updates.
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i")
+    state = tx.init(R_PARAMS)._replace(grad_var=jnp.float32(np.nan), ema_weight=jnp.float32(0.5))
+    updates, new_state = vmap_update(tx, jnp.eye(2, 3), state, R_PARAMS)
+    np.testing.assert_array_equal(np.asarray(updates), 0.0)
+    assert int(new_state.skipped_steps) == 1 and int(new_state.count) == 0
+
+
+# --------------------------------------------------------------------------- bug 5: horizon's shape
+
+
+@pytest.mark.parametrize(
+    "horizon", [(2.0, None), (1, 2, 3), (2.0,), ()], ids=["none_inside", "triple", "single", "empty"]
+)
+def test_a_horizon_tuple_that_is_not_a_pair_of_numbers_is_rejected_at_construction(horizon):
+    with pytest.raises((ValueError, TypeError), match=r"horizon.*got horizon="):
+        optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=horizon)
