@@ -15,6 +15,7 @@ memory (``compiled.memory_analysis()``: arguments + outputs + temporaries). No t
     python -m benchmarks.gspmd.run                 # 256 → 1024 → 256, 8192 rows; prints the table
     python -m benchmarks.gspmd.run --smoke         # 16 → 32 → 16, 64 rows
     python -m benchmarks.gspmd.run --loops         # also: hand-written micro-batch loops (docs/gspmd.md)
+    python -m benchmarks.gspmd.run --stacked       # scanned layers (lax.scan + jax.checkpoint) under FSDP
     python -m benchmarks.gspmd.run --json out.json
 """
 
@@ -379,12 +380,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", default="1,2", help="micro-batches per shard to measure")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--loops", action="store_true", help="also compare hand-written micro-batch loops")
+    parser.add_argument("--stacked", action="store_true",
+                        help="only the stacked (scanned, remat) layers under FSDP: 8 × 512 → 512, 4096 rows")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    if args.stacked:
+        results = [measure_stacked()]
+        print(f"jax {jax.__version__}, FSDP over 8 devices (Auto), {results[0]['shape']}")
+        print(table(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     d, h, rows = (16, 32, 64) if args.smoke else (int(v) for v in args.shape.split(","))
     ks = tuple(int(v) for v in args.ks.split(","))
     results = measure(d=d, h=h, rows=rows, ks=ks, layouts=tuple(args.layouts.split(",")))
