@@ -164,7 +164,8 @@ def value_and_grad(
             if k == 1:
                 value, aux, grads, sq = _probed(loss_fn, has_aux, spmd, params, split, n)
             else:
-                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n, unroll)
+                other = math.prod(size for a, size in the_mesh.shape.items() if a not in names)
+                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n, unroll, other)
         except ValueError as err:
             if "spmd_axis_name" not in str(err):
                 raise
@@ -440,8 +441,12 @@ _spread.defvjp(_spread_fwd, _spread_bwd)
 # --------------------------------------------------------------------------- k > 1: scan within a shard
 
 
-def _scanned(loss_fn, has_aux, spmd, params, split, n, unroll=1):
-    """``k`` micro-batches per shard: local accumulation in a scan, one reduction after it."""
+def _scanned(loss_fn, has_aux, spmd, params, split, n, unroll=1, other=1):
+    """``k`` micro-batches per shard: local accumulation in a scan, one reduction after it.
+
+    ``‖g_j‖²`` is accumulated as per-block partial sums (:func:`_blocked_sq`) so that a leaf split over
+    the other (model) axes, of total size ``other``, needs no reduction over them inside the loop.
+    """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
     def shard(micro):  # (k, m, ...) per leaf
@@ -450,22 +455,40 @@ def _scanned(loss_fn, has_aux, spmd, params, split, n, unroll=1):
             grad_sum, sq_sum = carry
             value, grads = grad_fn(params, *mb)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
-            sq_sum = jax.tree.map(lambda s, g: s + leaf_sq_norm(g), sq_sum, grads)
+            sq_sum = jax.tree.map(lambda s, g: s + _blocked_sq(g, other), sq_sum, grads)
             return (grad_sum, sq_sum), value
 
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params)
-        sq0 = jax.tree.map(lambda p: jnp.zeros((), STAT_DTYPE), params)
+        sq0 = jax.tree.map(lambda p: jnp.zeros(_blocks(p.shape, other), STAT_DTYPE), params)
         (grad_sum, sq_sum), values = lax.scan(body, (grads0, sq0), micro, unroll=unroll)
         return grad_sum, sq_sum, values
 
     grad_sums, sq_sums, values = jax.vmap(shard, spmd_axis_name=spmd)(split)
     grads = jax.tree.map(lambda s, p: (jnp.sum(s, axis=0) / n).astype(p.dtype), grad_sums, params)
-    sq_norms = jax.tree.map(lambda s: jnp.sum(s) / n, sq_sums)
+    sq_norms = jax.tree.map(lambda s: jnp.sum(s) / n, sq_sums)  # the one reduction over the model axes
     if has_aux:
         losses, aux = values
     else:
         losses, aux = values, None
     return jnp.mean(losses), aux, grads, sq_norms
+
+
+def _blocks(shape, other):
+    return tuple(math.gcd(d, other) for d in shape)
+
+
+def _blocked_sq(g, other):
+    """``‖g‖²`` as a small array of partial sums: dimension ``d`` cut into ``gcd(d, other)`` blocks.
+
+    A dimension sharded over mesh axes of total size dividing ``other`` keeps its blocks on their
+    devices, so each device sums only its own elements and the partial sums stay sharded; the scalar
+    (one reduction across devices) is taken once, after the micro-batch loop.
+    """
+    x = g.astype(compute_dtype(g.dtype))
+    sq = jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x
+    blocks = _blocks(g.shape, other)
+    split = [s for d, c in zip(g.shape, blocks, strict=True) for s in (c, d // c)]
+    return jnp.sum(sq.reshape(split), axis=tuple(range(1, 2 * g.ndim, 2))).astype(STAT_DTYPE)
 
 
 # --------------------------------------------------------------------------- aux

@@ -440,7 +440,7 @@ def stacked_loss(params, x, y, *, remat=True, inner_jit=False):
 STACKED_SPECS = {"layers": {"w": P(None, "data", "model"), "b": P(None, "data")}, "head": P("data", "model")}
 
 
-@pytest.mark.parametrize("variant", ["remat", "plain", "inner_jit", "reverse"])
+@pytest.mark.parametrize("variant", ["remat", "plain", "inner_jit", "reverse", "remat_k2"])
 def test_stacked_scanned_layers_give_the_per_shard_statistics(variant):
     """Stacked layers applied by lax.scan (probed per layer inside the scan): value, grads and per-leaf
     statistics as from jax.grad on each shard's rows, with the stacked leaf FSDP×TP on a non-leading dim."""
@@ -456,13 +456,15 @@ def test_stacked_scanned_layers_give_the_per_shard_statistics(variant):
     params = stacked_params()
     placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), STACKED_SPECS))
     xs, ys = (jax.device_put(b, NamedSharding(mesh, P("data"))) for b in (x, y))
-    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))
+    k = 2 if variant.endswith("k2") else 1
+    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k))
     with jax.set_mesh(mesh):
         value, grads, stats = fn(placed, xs, ys)
     ref_value, ref_grads = jax.value_and_grad(loss)(params, x, y)
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
-    samples = [jax.grad(loss)(params, x.reshape(4, -1, D_IN)[i], y.reshape(4, -1)[i]) for i in range(4)]
+    n = 4 * k
+    samples = [jax.grad(loss)(params, x.reshape(n, -1, D_IN)[i], y.reshape(n, -1)[i]) for i in range(n)]
     expected = jax.tree.map(lambda *g: np.mean([np.sum(np.square(a)) for a in g]), *samples)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), stats.sq_norms, expected)
 

@@ -63,6 +63,12 @@ def test_gradient_sized_traffic_at_most_sgds_and_at_most_two_extra_scalar_all_re
         assert r["drop_in"]["scalar_all_reduces"] - r["sgd"]["scalar_all_reduces"] <= 2, r
 
 
+def test_micro_batches_add_at_most_two_scalar_all_reduces(micro):
+    """TP×FSDP with k = 2 had a third: the model-axis sum of ‖g_j‖² inside the loop, now taken after it."""
+    for r in micro:
+        assert r["drop_in"]["scalar_all_reduces"] - r["sgd"]["scalar_all_reduces"] <= 2, r
+
+
 def test_micro_batches_reduce_nothing_over_data_inside_the_loop(micro):
     for r in micro:
         assert r["k"] == 2
