@@ -154,6 +154,24 @@ def value_and_grad(
 
     def fn(params, *batch):
         the_mesh = _resolve_mesh(mesh, names)
+        explicit = tuple(a for a, t in zip(the_mesh.axis_names, the_mesh.axis_types, strict=True)
+                         if "Explicit" in str(t))
+        if explicit:
+            n = math.prod(the_mesh.shape[a] for a in names) * k
+            aux_specs = None
+            if has_aux:  # per-example leaves come back split like the batch, the rest replicated
+                per = _batch_rows(batch, n, 1) // n
+                shard_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:], x.dtype), batch)
+                param_shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+                aux = jax.eval_shape(lambda p, b: loss_fn(p, *b)[1], param_shapes, shard_shapes)
+                spec = jax.sharding.PartitionSpec(names if len(names) > 1 else names[0])
+                aux_specs = jax.tree.map(
+                    lambda a: spec if len(a.shape) >= 1 and a.shape[0] == per else jax.sharding.PartitionSpec(), aux)
+            return _on_explicit_mesh(auto_fn, the_mesh, explicit, n, aux_specs, params, batch)
+        return auto_fn(params, *batch)
+
+    def auto_fn(params, *batch):
+        the_mesh = _resolve_mesh(mesh, names)
         shards = math.prod(the_mesh.shape[a] for a in names)
         spmd = names[0] if len(names) == 1 else names
         n = shards * k
@@ -181,6 +199,34 @@ def value_and_grad(
         return value, grads, stats
 
     return fn
+
+
+def _on_explicit_mesh(auto_fn, mesh, explicit, n, aux_specs, params, batch):
+    """Explicit mesh axes: the computation runs with them Auto inside (``jax.sharding.auto_axes``).
+
+    The outputs come back Explicit: ``grads`` sharded like ``params`` (their types carry the specs),
+    the value and statistics replicated, per-example ``aux`` leaves split like the batch.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    param_specs = jax.tree.map(lambda p: jax.typeof(p).sharding.spec, params)
+    value_spec = P() if aux_specs is None else (P(), aux_specs)
+    out = (value_spec, param_specs, MicrobatchStats(jax.tree.map(lambda _: P(), params), n))
+    try:
+        if jax.sharding.get_abstract_mesh().empty:  # mesh= given, none set: auto_axes reads the context's
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return jax.sharding.auto_axes(auto_fn, axes=explicit, out_sharding=out)(params, *batch)
+        return jax.sharding.auto_axes(auto_fn, axes=explicit, out_sharding=out)(params, *batch)
+    except ValueError as err:
+        if "type Auto" not in str(err):
+            raise
+        raise ValueError(
+            f"loss_fn names the Explicit mesh axes {explicit} in an out_sharding= (or reshard): on an Explicit "
+            "mesh value_and_grad(data_axes=...) runs loss_fn with those axes Auto (jax.sharding.auto_axes), one "
+            "data shard's rows at a time, where JAX refuses such specs. Drop out_sharding= from the loss's "
+            "operations (the partitioner places them from the parameters' and batch's shardings), or build the "
+            f"mesh with axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)}."
+        ) from err
 
 
 # --------------------------------------------------------------------------- k = 1: probes
@@ -546,14 +592,6 @@ def _resolve_mesh(mesh, names):
         raise ValueError(
             f"data_axes={names if len(names) > 1 else names[0]!r}: {missing} not in the mesh, whose axes are "
             f"{tuple(mesh.axis_names)}; name the axes the batch is sharded over."
-        )
-    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    explicit = [a for a in mesh.axis_names if "Explicit" in str(kinds[a])]
-    if explicit:
-        raise ValueError(
-            f"value_and_grad(data_axes=...) supports meshes with Auto axes only (JAX {jax.__version__}); the mesh "
-            f"axes {explicit} are Explicit (jax.make_mesh's default). Build the mesh with "
-            f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)})."
         )
     return mesh
 

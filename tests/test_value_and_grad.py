@@ -349,10 +349,62 @@ def test_loss_constraining_the_batch_axis_raises_our_error():
             fn(init_params(), x, y)
 
 
-def test_explicit_mesh_raises_naming_auto_axes():
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_explicit_mesh_run_equals_replicated_run(layout, k):
+    """jax.make_mesh's default (Explicit axes): the same run as the replicated one (it used to raise)."""
+    ours = global_run(jax.make_mesh((4, 2), ("data", "model")), LAYOUTS[layout], "data", k)
+    assert_same_run(ours, replicated_run(4, k), rtol=1e-5)
+
+
+def test_explicit_mesh_aux_and_shardings():
+    """On an Explicit mesh grads keep the params' shardings; per-example aux comes back split like the batch."""
+
+    def loss_with_aux(params, x, y):
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"], y)
+        return losses.mean(), {"per_example": losses}
+
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    with pytest.raises(ValueError, match=r"Explicit.*AxisType\.Auto"):
-        call_global(jax.set_mesh(mesh))
+    x, y = (b[0] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["TPxFSDP"], x, y)
+    (ref_loss, ref_aux), ref_grads = jax.value_and_grad(loss_with_aux, has_aux=True)(init_params(), x, y)
+    for k in (1, 2):
+        fn = jax.jit(optax_adascale.value_and_grad(loss_with_aux, data_axes="data", num_microbatches=k, has_aux=True))
+        with jax.set_mesh(mesh):
+            (loss, aux), grads, _ = fn(params, xs, ys)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+        np.testing.assert_allclose(aux["per_example"], ref_aux["per_example"], rtol=1e-5)
+        assert aux["per_example"].sharding.spec == P("data")
+        for g, p, r in zip(jax.tree.leaves(grads), jax.tree.leaves(params), jax.tree.leaves(ref_grads), strict=True):
+            assert g.sharding.spec == p.sharding.spec
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_explicit_mesh_passed_as_mesh_keyword():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    x, y = (b[0] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], x, y)
+    ref = jax.value_and_grad(loss_fn)(init_params(), x, y)
+    for k in (1, 2):
+        value, grads, stats = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=k,
+                                                                    mesh=mesh))(params, xs, ys)
+        assert stats.num_microbatches == 4 * k
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), (value, grads), ref)
+
+
+def test_explicit_mesh_loss_with_out_sharding_raises_our_error():
+    """A loss written the Explicit way (out_sharding= naming the batch axis) is refused with a way out."""
+
+    def tp_loss(params, x, y):
+        h = jnp.tanh(jnp.matmul(x, params["w1"], out_sharding=P("data", "model")) + params["b1"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], *(b[0] for b in batches()))
+    fn = jax.jit(optax_adascale.value_and_grad(tp_loss, data_axes="data"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"out_sharding=.*Drop out_sharding=.*AxisType\.Auto"):
+        fn(params, xs, ys)
 
 
 # --------------------------------------------------------------------------- your own loop (docs/gspmd.md)
