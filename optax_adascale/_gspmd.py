@@ -17,8 +17,19 @@ keeps everything in global semantics and lets the SPMD partitioner place it:
   per-shard gradients exist only transiently;
 - ``k > 1``: within each shard a ``lax.scan`` over its ``k`` micro-batches
   accumulates the shard's gradient locally (``vmap`` of ``grad``: batched over
-  the shards) and each micro-batch's squared norm; the shards' sums are reduced
-  once, after the loop.
+  the shards) and each micro-batch's squared norm (as small per-block partial
+  sums, so that a model-split leaf needs no cross-device sum inside the loop);
+  the shards' sums are reduced once, after the loop;
+- stacked layers (``k = 1``): a parameter leaf whose only use is as the
+  scanned-over operand of a ``lax.scan`` is found in the loss's jaxpr (traced
+  once on one shard's shapes) and probed per layer inside the scan body — inside
+  the layer's ``jax.checkpoint`` if it has one — so its per-shard gradient exists
+  one layer at a time and is reduced inside the backward loop, as ``jax.grad``
+  reduces it. The partitioner cannot do this: the per-shard gradient of the
+  whole stacked leaf is what a leaf-level probe sees;
+- Explicit mesh axes (``jax.make_mesh``'s default): the computation runs under
+  ``jax.sharding.auto_axes`` (Auto inside); ``grads`` come back with the
+  parameters' shardings.
 """
 
 import functools
@@ -86,7 +97,12 @@ def value_and_grad(
       to match the global call.
     - Parameters may be replicated, split over model axes (TP), over the data
       axes (FSDP) or both: the partitioner keeps their shardings; statistics are
-      computed in float32 for bfloat16 parameters.
+      computed in float32 for bfloat16 parameters. Stacked layers applied with
+      ``lax.scan`` (with or without ``jax.checkpoint``) are probed layer by layer.
+    - Meshes with Auto or Explicit axes. On an Explicit mesh the loss runs with
+      the axes Auto, so it must not name mesh axes in ``out_sharding=``
+      (``ValueError`` saying so); sharding constraints in the loss must not name
+      the data axes on either kind of mesh.
 
     **Your own micro-batch loop** (MaxText's scan, Levanter's ``microbatched``):
     the simplest is ``num_microbatches=k``, which reduces once per step. To keep
@@ -123,7 +139,9 @@ def value_and_grad(
     Raises:
       ValueError: the batch is not divisible by shards × k; ``data_axes`` not in
         the mesh; no mesh set; ``data_axes=None`` under a jit over a
-        multi-device mesh with no replica axis bound.
+        multi-device mesh with no replica axis bound; a loss constraining an
+        array over the data axes, or naming axes in ``out_sharding=`` on an
+        Explicit mesh.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax_adascale
