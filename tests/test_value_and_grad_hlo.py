@@ -37,6 +37,20 @@ def micro(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def explicit(tmp_path_factory):
+    return run_benchmark(tmp_path_factory.mktemp("explicit"), "--explicit", "--shape", "256,1024,8192", "--ks", "1")
+
+
+def test_explicit_mesh_costs_what_sgd_costs(explicit):
+    """The drop-in on an Explicit mesh (auto_axes inside) against SGD on the same shardings: same gates."""
+    assert {r["layout"] for r in explicit} == {"replicated", "TP", "FSDP", "TP×FSDP"}
+    for r in explicit:
+        assert r["drop_in"]["memory"] <= 1.05 * r["sgd"]["memory"] + 4096, r
+        assert r["drop_in"]["gradient_bytes"] <= r["sgd"]["gradient_bytes"], r
+        assert r["drop_in"]["scalar_all_reduces"] - r["sgd"]["scalar_all_reduces"] <= 2, r
+
+
+@pytest.fixture(scope="module")
 def stacked(tmp_path_factory):
     return run_benchmark(tmp_path_factory.mktemp("stacked"), "--stacked")
 
