@@ -46,8 +46,14 @@ def axis_size(axis_name: AxisName | None) -> int:
             size *= lax.axis_size(name)
         except NameError as err:
             bound = [a for a in manual_axes() if a not in axis_names(axis_name)]
-            hint = (f" The axes bound here are {bound}: if one of them is the data-parallel axis, pass "
-                    f"axis_name={bound[0] if len(bound) == 1 else tuple(bound)!r}.") if bound else ""
+            hint = (
+                (
+                    f" The axes bound here are {bound}: if one of them is the data-parallel axis, pass "
+                    f"axis_name={bound[0] if len(bound) == 1 else tuple(bound)!r}."
+                )
+                if bound
+                else ""
+            )
             raise ValueError(
                 f"axis_name={axis_name!r}: the axis {name!r} is not bound where update() "
                 "was called. Call update inside jax.pmap(..., axis_name=...), "

@@ -17,10 +17,22 @@ keeps everything in global semantics and lets the SPMD partitioner place it:
   per-shard gradients exist only transiently;
 - ``k > 1``: within each shard a ``lax.scan`` over its ``k`` micro-batches
   accumulates the shard's gradient locally (``vmap`` of ``grad``: batched over
-  the shards) and each micro-batch's squared norm; the shards' sums are reduced
-  once, after the loop.
+  the shards) and each micro-batch's squared norm (as small per-block partial
+  sums, so that a model-split leaf needs no cross-device sum inside the loop);
+  the shards' sums are reduced once, after the loop;
+- stacked layers (``k = 1``): a parameter leaf whose only use is as the
+  scanned-over operand of a ``lax.scan`` is found in the loss's jaxpr (traced
+  once on one shard's shapes) and probed per layer inside the scan body — inside
+  the layer's ``jax.checkpoint`` if it has one — so its per-shard gradient exists
+  one layer at a time and is reduced inside the backward loop, as ``jax.grad``
+  reduces it. The partitioner cannot do this: the per-shard gradient of the
+  whole stacked leaf is what a leaf-level probe sees;
+- Explicit mesh axes (``jax.make_mesh``'s default): the computation runs under
+  ``jax.sharding.auto_axes`` (Auto inside); ``grads`` come back with the
+  parameters' shardings.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -85,7 +97,12 @@ def value_and_grad(
       to match the global call.
     - Parameters may be replicated, split over model axes (TP), over the data
       axes (FSDP) or both: the partitioner keeps their shardings; statistics are
-      computed in float32 for bfloat16 parameters.
+      computed in float32 for bfloat16 parameters. Stacked layers applied with
+      ``lax.scan`` (with or without ``jax.checkpoint``) are probed layer by layer.
+    - Meshes with Auto or Explicit axes. On an Explicit mesh the loss runs with
+      the axes Auto, so it must not name mesh axes in ``out_sharding=``
+      (``ValueError`` saying so); sharding constraints in the loss must not name
+      the data axes on either kind of mesh.
 
     **Your own micro-batch loop** (MaxText's scan, Levanter's ``microbatched``):
     the simplest is ``num_microbatches=k``, which reduces once per step. To keep
@@ -122,7 +139,9 @@ def value_and_grad(
     Raises:
       ValueError: the batch is not divisible by shards × k; ``data_axes`` not in
         the mesh; no mesh set; ``data_axes=None`` under a jit over a
-        multi-device mesh with no replica axis bound.
+        multi-device mesh with no replica axis bound; a loss constraining an
+        array over the data axes, or naming axes in ``out_sharding=`` on an
+        Explicit mesh.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax_adascale
@@ -153,6 +172,26 @@ def value_and_grad(
 
     def fn(params, *batch):
         the_mesh = _resolve_mesh(mesh, names)
+        explicit = tuple(
+            a for a, t in zip(the_mesh.axis_names, the_mesh.axis_types, strict=True) if "Explicit" in str(t)
+        )
+        if explicit:
+            n = math.prod(the_mesh.shape[a] for a in names) * k
+            aux_specs = None
+            if has_aux:  # per-example leaves come back split like the batch, the rest replicated
+                per = _batch_rows(batch, n, 1) // n
+                shard_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:], x.dtype), batch)
+                param_shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+                aux = jax.eval_shape(lambda p, b: loss_fn(p, *b)[1], param_shapes, shard_shapes)
+                spec = jax.sharding.PartitionSpec(names if len(names) > 1 else names[0])
+                aux_specs = jax.tree.map(
+                    lambda a: spec if len(a.shape) >= 1 and a.shape[0] == per else jax.sharding.PartitionSpec(), aux
+                )
+            return _on_explicit_mesh(auto_fn, the_mesh, explicit, n, aux_specs, params, batch)
+        return auto_fn(params, *batch)
+
+    def auto_fn(params, *batch):
+        the_mesh = _resolve_mesh(mesh, names)
         shards = math.prod(the_mesh.shape[a] for a in names)
         spmd = names[0] if len(names) == 1 else names
         n = shards * k
@@ -163,7 +202,8 @@ def value_and_grad(
             if k == 1:
                 value, aux, grads, sq = _probed(loss_fn, has_aux, spmd, params, split, n)
             else:
-                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n, unroll)
+                other = math.prod(size for a, size in the_mesh.shape.items() if a not in names)
+                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n, unroll, other)
         except ValueError as err:
             if "spmd_axis_name" not in str(err):
                 raise
@@ -181,22 +221,65 @@ def value_and_grad(
     return fn
 
 
+def _on_explicit_mesh(auto_fn, mesh, explicit, n, aux_specs, params, batch):
+    """Explicit mesh axes: the computation runs with them Auto inside (``jax.sharding.auto_axes``).
+
+    The outputs come back Explicit: ``grads`` sharded like ``params`` (their types carry the specs),
+    the value and statistics replicated, per-example ``aux`` leaves split like the batch.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    param_specs = jax.tree.map(lambda p: jax.typeof(p).sharding.spec, params)
+    value_spec = P() if aux_specs is None else (P(), aux_specs)
+    out = (value_spec, param_specs, MicrobatchStats(jax.tree.map(lambda _: P(), params), n))
+    try:
+        if jax.sharding.get_abstract_mesh().empty:  # mesh= given, none set: auto_axes reads the context's
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return jax.sharding.auto_axes(auto_fn, axes=explicit, out_sharding=out)(params, *batch)
+        return jax.sharding.auto_axes(auto_fn, axes=explicit, out_sharding=out)(params, *batch)
+    except ValueError as err:
+        if "type Auto" not in str(err):
+            raise
+        raise ValueError(
+            f"loss_fn names the Explicit mesh axes {explicit} in an out_sharding= (or reshard): on an Explicit "
+            "mesh value_and_grad(data_axes=...) runs loss_fn with those axes Auto (jax.sharding.auto_axes), one "
+            "data shard's rows at a time, where JAX refuses such specs. Drop out_sharding= from the loss's "
+            "operations (the partitioner places them from the parameters' and batch's shardings), or build the "
+            f"mesh with axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)}."
+        ) from err
+
+
 # --------------------------------------------------------------------------- k = 1: probes
 
 
 def _probed(loss_fn, has_aux, spmd, params, split, n):
-    """One sample per shard: grads through probes; the per-shard gradients are reduced leaf by leaf."""
-    leaves, treedef = jax.tree.flatten(params)
-    probes = [jnp.zeros((n,), STAT_DTYPE) for _ in leaves]
+    """One sample per shard: grads through probes; the per-shard gradients are reduced leaf by leaf.
 
-    def shard_loss(leaves, batch):
-        out = loss_fn(treedef.unflatten(leaves), *jax.tree.map(lambda x: x[0], batch))
+    A stacked leaf whose only use is as ``xs`` of a ``lax.scan`` (scanned layers) is probed per layer
+    inside the scan body instead (:func:`_scan_probed_loss`), so that its per-shard gradient exists one
+    layer at a time and is reduced inside the backward loop, as ``jax.grad`` reduces it.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    scanned = _scan_probed_loss(loss_fn, has_aux, treedef, leaves, split)
+    stacked = set() if scanned is None else scanned[1]
+    probes = [jnp.zeros((n, p.shape[0]) if i in stacked else (n,), STAT_DTYPE) for i, p in enumerate(leaves)]
+
+    def shard_loss(leaves, layer_probes, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)
+        if scanned is None:
+            out = loss_fn(treedef.unflatten(leaves), *batch)
+        else:
+            out = scanned[0](leaves, batch, layer_probes, n)
         loss, aux = out if has_aux else (out, None)
         return loss, (loss, aux)
 
     def total(leaves, probes):
-        spread = [_spread(p, q) for p, q in zip(leaves, probes, strict=True)]
-        losses, (per_loss, aux) = jax.vmap(shard_loss, spmd_axis_name=spmd)(spread, split)
+        spread = [p if i in stacked else _spread(p, q) for i, (p, q) in enumerate(zip(leaves, probes, strict=True))]
+        leaf_axes = [None if i in stacked else 0 for i in range(len(leaves))]
+        layer_probes = {i: probes[i] for i in stacked}
+        losses, (per_loss, aux) = jax.vmap(shard_loss, in_axes=(leaf_axes, 0, 0), spmd_axis_name=spmd)(
+            spread, layer_probes, split
+        )
         return jnp.sum(losses), (per_loss, aux)
 
     (_, (losses, aux)), (grad_leaves, sq) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(leaves, probes)
@@ -204,6 +287,202 @@ def _probed(loss_fn, has_aux, spmd, params, split, n):
     sq_norms = [jnp.sum(s) / n for s in sq]
     aux = None if aux is None else jax.tree.map(lambda a: a[:, None], aux)  # (shards, k=1, ...)
     return jnp.mean(losses), aux, treedef.unflatten(grads), treedef.unflatten(sq_norms)
+
+
+# --------------------------------------------------------------------------- scanned (stacked) layers
+
+
+def _scan_probed_loss(loss_fn, has_aux, treedef, leaves, split):
+    """The loss with per-layer probes on its scanned parameter leaves, and their indices; ``None`` if none.
+
+    The loss is traced once (one shard's shapes) to a jaxpr; a parameter leaf whose only use is as a
+    scanned-over operand (``xs``) of a ``lax.scan`` — at the top level or inside ``jax.jit`` /
+    ``jax.checkpoint`` — is stacked layers. Re-evaluating the jaxpr with that scan's body wrapped so
+    that each layer's slice passes through :func:`_layer_probe` gives the same values and gradients,
+    plus each shard's ``‖g_l‖²`` per layer; everything else is evaluated as traced.
+    """
+    shapes = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p), weak_type=_weak(p)) for p in leaves]
+    batch_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), split)
+    batch_def = jax.tree.structure(split)
+    out_tree = []
+
+    def flat_loss(*args):
+        ps, bs = args[: len(leaves)], batch_def.unflatten(args[len(leaves) :])
+        out = loss_fn(treedef.unflatten(list(ps)), *bs)
+        flat, tree = jax.tree.flatten(out)
+        out_tree.append(tree)
+        return flat
+
+    closed = jax.make_jaxpr(flat_loss)(*shapes, *jax.tree.leaves(batch_shapes))
+    invars = closed.jaxpr.invars
+    stacked = {i for i in range(len(leaves)) if jnp.ndim(leaves[i]) >= 1 and _only_scanned(closed.jaxpr, invars[i])}
+    if not stacked:
+        return None
+
+    def probed_loss(leaves, batch, layer_probes, n):
+        probes = {invars[i]: (layer_probes[i], n, "stacked") for i in stacked}
+        flat = _eval(closed.jaxpr, closed.consts, [*leaves, *jax.tree.leaves(batch)], probes)
+        return out_tree[0].unflatten(flat)
+
+    return probed_loss, stacked
+
+
+def _weak(x):
+    try:
+        return bool(jax.typeof(x).weak_type)
+    except (AttributeError, TypeError):
+        return False
+
+
+def _inner(eqn):
+    """The sub-jaxpr of a ``jit`` or ``checkpoint`` equation (``(jaxpr, consts)``), or ``None``."""
+    name = eqn.primitive.name
+    if name in ("jit", "pjit") or name.startswith("remat") or name == "checkpoint":
+        inner = eqn.params.get("jaxpr")
+        if inner is None:
+            return None
+        return (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
+    return None
+
+
+def _only_scanned(jaxpr, var):
+    """``var`` is used once, as a scanned-over operand of a ``lax.scan`` (possibly under jit/checkpoint)."""
+    from jax.extend.core import Literal
+
+    if any(v is var for v in jaxpr.outvars):
+        return False
+    uses = [(e, i) for e in jaxpr.eqns for i, v in enumerate(e.invars) if not isinstance(v, Literal) and v is var]
+    if len(uses) != 1:
+        return False
+    eqn, i = uses[0]
+    if eqn.primitive.name == "scan":
+        return i >= eqn.params["num_consts"] + eqn.params["num_carry"]
+    inner = _inner(eqn)
+    return inner is not None and _only_scanned(inner[0], inner[0].invars[i])
+
+
+def _uses(jaxpr, var):
+    from jax.extend.core import Literal
+
+    return [(e, i) for e in jaxpr.eqns for i, v in enumerate(e.invars) if not isinstance(v, Literal) and v is var]
+
+
+def _eval(jaxpr, consts, args, probes):
+    """``jax.core.eval_jaxpr`` with probes: ``probes[var] = (probe, n, kind)``.
+
+    ``kind="stacked"``: ``var`` is stacked layers, sliced by a scan whose body gets a ``"layer"``
+    probe per slice. ``kind="layer"``: ``var`` is one layer's parameters; it passes through
+    :func:`_layer_probe` here, or — if its only use is a ``jax.checkpoint`` / ``jax.jit`` — inside that,
+    so that the probe's (per-shard) output is rematerialised with the layer rather than saved.
+    """
+    from jax.extend.core import Literal
+
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    probes = dict(probes)
+    for v, (p, n, kind) in list(probes.items()):
+        if kind != "layer":
+            continue
+        uses = _uses(jaxpr, v)
+        if len(uses) == 1 and _inner(uses[0][0]) is not None and not any(o is v for o in jaxpr.outvars):
+            continue  # pushed down into the checkpoint / jit
+        env[v] = _layer_probe(n, env[v], p)
+        del probes[v]
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        mine = {i: probes[v] for i, v in enumerate(eqn.invars) if not isinstance(v, Literal) and v in probes}
+        if not mine:
+            with eqn.ctx.manager:
+                ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        elif eqn.primitive.name == "scan":
+            ans = _probed_scan(eqn, invals, mine)
+        else:
+            ans = _probed_call(eqn, invals, mine)
+        if eqn.primitive.multiple_results:
+            for v, x in zip(eqn.outvars, ans, strict=True):
+                env[v] = x
+        else:
+            env[eqn.outvars[0]] = ans
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _probed_call(eqn, invals, mine):
+    """A ``jit`` (inlined) or ``checkpoint`` (re-applied with its policy) that uses a probed variable."""
+    jaxpr, consts = _inner(eqn)
+    positions = sorted(mine)
+    meta = [mine[i][1:] for i in positions]
+
+    def body(*args):
+        vals, probe_vals = args[: len(invals)], args[len(invals) :]
+        probes = {jaxpr.invars[i]: (p, *m) for i, p, m in zip(positions, probe_vals, meta, strict=True)}
+        return _eval(jaxpr, consts, list(vals), probes)
+
+    probe_vals = [mine[i][0] for i in positions]
+    if eqn.primitive.name in ("jit", "pjit"):
+        return body(*invals, *probe_vals)
+    fn = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
+    return fn(*invals, *probe_vals)
+
+
+def _probed_scan(eqn, invals, mine):
+    """The scan, with a per-layer probe on each slice of a stacked operand."""
+    params = eqn.params
+    nc, ncarry = params["num_consts"], params["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+    body = params["jaxpr"]
+    positions = sorted(i - nc - ncarry for i in mine)
+    ns = [mine[nc + ncarry + j][1] for j in positions]
+    xs_invars = body.jaxpr.invars[nc + ncarry :]
+
+    def step(carry, inputs):
+        x_slices, probe_slices = inputs
+        probes = {xs_invars[j]: (p, m, "layer") for j, p, m in zip(positions, probe_slices, ns, strict=True)}
+        out = _eval(body.jaxpr, body.consts, [*consts, *carry, *x_slices], probes)
+        return list(out[:ncarry]), list(out[ncarry:])
+
+    probe_xs = [mine[nc + ncarry + j][0] for j in positions]
+    carry, ys = lax.scan(
+        step,
+        list(init),
+        (list(xs), probe_xs),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layer_probe(n, x, probe):
+    """Identity on one layer's parameters; the backward pass records the shard's ``‖g_l‖²`` as ``probe``'s cotangent.
+
+    Under the vmap over shards ``x`` is unbatched and ``probe`` batched; adding ``0 · probe`` makes the
+    output batched, so the cotangent arriving here is each shard's own (not yet summed). Returning it as
+    ``x``'s cotangent, JAX sums it over the shards right here, inside the backward scan's body: one
+    layer's per-shard gradient exists at a time.
+    """
+    del n
+    return x + (0 * probe).astype(x.dtype)
+
+
+def _layer_probe_fwd(n, x, probe):
+    return _layer_probe(n, x, probe), None
+
+
+def _layer_probe_bwd(n, _, cotangent):
+    # As _spread_bwd: 16-bit gradients are divided by n before the sum over shards, wider ones after.
+    sq = leaf_sq_norm(cotangent)
+    return ((cotangent / n).astype(cotangent.dtype) if _low(cotangent) else cotangent), sq
+
+
+_layer_probe.defvjp(_layer_probe_fwd, _layer_probe_bwd)
 
 
 def _low(x):
@@ -235,8 +514,12 @@ _spread.defvjp(_spread_fwd, _spread_bwd)
 # --------------------------------------------------------------------------- k > 1: scan within a shard
 
 
-def _scanned(loss_fn, has_aux, spmd, params, split, n, unroll=1):
-    """``k`` micro-batches per shard: local accumulation in a scan, one reduction after it."""
+def _scanned(loss_fn, has_aux, spmd, params, split, n, unroll=1, other=1):
+    """``k`` micro-batches per shard: local accumulation in a scan, one reduction after it.
+
+    ``‖g_j‖²`` is accumulated as per-block partial sums (:func:`_blocked_sq`) so that a leaf split over
+    the other (model) axes, of total size ``other``, needs no reduction over them inside the loop.
+    """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
     def shard(micro):  # (k, m, ...) per leaf
@@ -245,22 +528,40 @@ def _scanned(loss_fn, has_aux, spmd, params, split, n, unroll=1):
             grad_sum, sq_sum = carry
             value, grads = grad_fn(params, *mb)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
-            sq_sum = jax.tree.map(lambda s, g: s + leaf_sq_norm(g), sq_sum, grads)
+            sq_sum = jax.tree.map(lambda s, g: s + _blocked_sq(g, other), sq_sum, grads)
             return (grad_sum, sq_sum), value
 
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params)
-        sq0 = jax.tree.map(lambda p: jnp.zeros((), STAT_DTYPE), params)
+        sq0 = jax.tree.map(lambda p: jnp.zeros(_blocks(p.shape, other), STAT_DTYPE), params)
         (grad_sum, sq_sum), values = lax.scan(body, (grads0, sq0), micro, unroll=unroll)
         return grad_sum, sq_sum, values
 
     grad_sums, sq_sums, values = jax.vmap(shard, spmd_axis_name=spmd)(split)
     grads = jax.tree.map(lambda s, p: (jnp.sum(s, axis=0) / n).astype(p.dtype), grad_sums, params)
-    sq_norms = jax.tree.map(lambda s: jnp.sum(s) / n, sq_sums)
+    sq_norms = jax.tree.map(lambda s: jnp.sum(s) / n, sq_sums)  # the one reduction over the model axes
     if has_aux:
         losses, aux = values
     else:
         losses, aux = values, None
     return jnp.mean(losses), aux, grads, sq_norms
+
+
+def _blocks(shape, other):
+    return tuple(math.gcd(d, other) for d in shape)
+
+
+def _blocked_sq(g, other):
+    """``‖g‖²`` as a small array of partial sums: dimension ``d`` cut into ``gcd(d, other)`` blocks.
+
+    A dimension sharded over mesh axes of total size dividing ``other`` keeps its blocks on their
+    devices, so each device sums only its own elements and the partial sums stay sharded; the scalar
+    (one reduction across devices) is taken once, after the micro-batch loop.
+    """
+    x = g.astype(compute_dtype(g.dtype))
+    sq = jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x
+    blocks = _blocks(g.shape, other)
+    split = [s for d, c in zip(g.shape, blocks, strict=True) for s in (c, d // c)]
+    return jnp.sum(sq.reshape(split), axis=tuple(range(1, 2 * g.ndim, 2))).astype(STAT_DTYPE)
 
 
 # --------------------------------------------------------------------------- aux
@@ -320,14 +621,6 @@ def _resolve_mesh(mesh, names):
         raise ValueError(
             f"data_axes={names if len(names) > 1 else names[0]!r}: {missing} not in the mesh, whose axes are "
             f"{tuple(mesh.axis_names)}; name the axes the batch is sharded over."
-        )
-    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    explicit = [a for a in mesh.axis_names if "Explicit" in str(kinds[a])]
-    if explicit:
-        raise ValueError(
-            f"value_and_grad(data_axes=...) supports meshes with Auto axes only (JAX {jax.__version__}); the mesh "
-            f"axes {explicit} are Explicit (jax.make_mesh's default). Build the mesh with "
-            f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)})."
         )
     return mesh
 

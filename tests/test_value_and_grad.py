@@ -352,10 +352,64 @@ def test_loss_constraining_the_batch_axis_raises_our_error():
             fn(init_params(), x, y)
 
 
-def test_explicit_mesh_raises_naming_auto_axes():
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_explicit_mesh_run_equals_replicated_run(layout, k):
+    """jax.make_mesh's default (Explicit axes): the same run as the replicated one (it used to raise)."""
+    ours = global_run(jax.make_mesh((4, 2), ("data", "model")), LAYOUTS[layout], "data", k)
+    assert_same_run(ours, replicated_run(4, k), rtol=1e-5)
+
+
+def test_explicit_mesh_aux_and_shardings():
+    """On an Explicit mesh grads keep the params' shardings; per-example aux comes back split like the batch."""
+
+    def loss_with_aux(params, x, y):
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"], y
+        )
+        return losses.mean(), {"per_example": losses}
+
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    with pytest.raises(ValueError, match=r"Explicit.*AxisType\.Auto"):
-        call_global(jax.set_mesh(mesh))
+    x, y = (b[0] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["TPxFSDP"], x, y)
+    (ref_loss, ref_aux), ref_grads = jax.value_and_grad(loss_with_aux, has_aux=True)(init_params(), x, y)
+    for k in (1, 2):
+        fn = jax.jit(optax_adascale.value_and_grad(loss_with_aux, data_axes="data", num_microbatches=k, has_aux=True))
+        with jax.set_mesh(mesh):
+            (loss, aux), grads, _ = fn(params, xs, ys)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+        np.testing.assert_allclose(aux["per_example"], ref_aux["per_example"], rtol=1e-5)
+        assert aux["per_example"].sharding.spec == P("data")
+        for g, p, r in zip(jax.tree.leaves(grads), jax.tree.leaves(params), jax.tree.leaves(ref_grads), strict=True):
+            assert g.sharding.spec == p.sharding.spec
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_explicit_mesh_passed_as_mesh_keyword():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    x, y = (b[0] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], x, y)
+    ref = jax.value_and_grad(loss_fn)(init_params(), x, y)
+    for k in (1, 2):
+        value, grads, stats = jax.jit(
+            optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=k, mesh=mesh)
+        )(params, xs, ys)
+        assert stats.num_microbatches == 4 * k
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), (value, grads), ref)
+
+
+def test_explicit_mesh_loss_with_out_sharding_raises_our_error():
+    """A loss written the Explicit way (out_sharding= naming the batch axis) is refused with a way out."""
+
+    def tp_loss(params, x, y):
+        h = jnp.tanh(jnp.matmul(x, params["w1"], out_sharding=P("data", "model")) + params["b1"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], *(b[0] for b in batches()))
+    fn = jax.jit(optax_adascale.value_and_grad(tp_loss, data_axes="data"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"out_sharding=.*Drop out_sharding=.*AxisType\.Auto"):
+        fn(params, xs, ys)
 
 
 # --------------------------------------------------------------------------- your own loop (docs/gspmd.md)
@@ -420,3 +474,77 @@ def test_weighted_loss_recipe_gives_the_global_token_weighted_gradient():
     ref_value, ref_grads = jax.value_and_grad(global_loss)(init_params(), x, y, w)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+# --------------------------------------------------------------------------- stacked (scanned) layers
+
+
+def stacked_params(layers=3, d=D_IN):
+    kw, kb = jax.random.split(jax.random.key(7))
+    return {
+        "layers": {"w": jax.random.normal(kw, (layers, d, d)) * 0.3, "b": jax.random.normal(kb, (layers, d)) * 0.1},
+        "head": jax.random.normal(jax.random.key(8), (d, CLASSES)) * 0.4,
+    }
+
+
+def stacked_loss(params, x, y, *, remat=True, inner_jit=False):
+    def layer(h, lp):
+        return h + jnp.tanh(h @ lp["w"] + lp["b"]), None
+
+    def trunk(h, stack):
+        return jax.lax.scan(jax.checkpoint(layer) if remat else layer, h, stack)[0]
+
+    h = (jax.jit(trunk) if inner_jit else trunk)(x, params["layers"])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], y).mean()
+
+
+STACKED_SPECS = {"layers": {"w": P(None, "data", "model"), "b": P(None, "data")}, "head": P("data", "model")}
+
+
+@pytest.mark.parametrize("variant", ["remat", "plain", "inner_jit", "reverse", "remat_k2"])
+def test_stacked_scanned_layers_give_the_per_shard_statistics(variant):
+    """Stacked layers applied by lax.scan (probed per layer inside the scan): value, grads and per-leaf
+    statistics as from jax.grad on each shard's rows, with the stacked leaf FSDP×TP on a non-leading dim."""
+    if variant == "reverse":
+
+        def loss(params, x, y):
+            h = jax.lax.scan(
+                lambda h, lp: (h + jnp.tanh(h @ lp["w"] + lp["b"]), None), x, params["layers"], reverse=True
+            )[0]
+            return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], y).mean()
+    else:
+        loss = functools.partial(stacked_loss, remat=variant != "plain", inner_jit=variant == "inner_jit")
+    mesh = auto_mesh()
+    x, y = (b[0] for b in batches())
+    params = stacked_params()
+    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), STACKED_SPECS))
+    xs, ys = (jax.device_put(b, NamedSharding(mesh, P("data"))) for b in (x, y))
+    k = 2 if variant.endswith("k2") else 1
+    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k))
+    with jax.set_mesh(mesh):
+        value, grads, stats = fn(placed, xs, ys)
+    ref_value, ref_grads = jax.value_and_grad(loss)(params, x, y)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+    n = 4 * k
+    samples = [jax.grad(loss)(params, x.reshape(n, -1, D_IN)[i], y.reshape(n, -1)[i]) for i in range(n)]
+    expected = jax.tree.map(lambda *g: np.mean([np.sum(np.square(a)) for a in g]), *samples)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), stats.sq_norms, expected)
+
+
+def test_stacked_leaf_used_outside_the_scan_too_is_probed_whole():
+    """A stacked leaf also read outside the scan (here: a penalty on it) is not split per layer: its
+    statistics are still each shard's whole-leaf ‖g_i‖²."""
+
+    def loss(params, x, y):
+        return stacked_loss(params, x, y) + 0.01 * jnp.sum(params["layers"]["w"] ** 2)
+
+    mesh = auto_mesh()
+    x, y = (b[0] for b in batches())
+    params = stacked_params()
+    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))
+    with jax.set_mesh(mesh):
+        _, _, stats = fn(params, *(jax.device_put(b, NamedSharding(mesh, P("data"))) for b in (x, y)))
+    samples = [jax.grad(loss)(params, x.reshape(4, -1, D_IN)[i], y.reshape(4, -1)[i]) for i in range(4)]
+    expected = jax.tree.map(lambda *g: np.mean([np.sum(np.square(a)) for a in g]), *samples)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), stats.sq_norms, expected)

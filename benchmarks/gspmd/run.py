@@ -15,6 +15,8 @@ memory (``compiled.memory_analysis()``: arguments + outputs + temporaries). No t
     python -m benchmarks.gspmd.run                 # 256 → 1024 → 256, 8192 rows; prints the table
     python -m benchmarks.gspmd.run --smoke         # 16 → 32 → 16, 64 rows
     python -m benchmarks.gspmd.run --loops         # also: hand-written micro-batch loops (docs/gspmd.md)
+    python -m benchmarks.gspmd.run --stacked       # scanned layers (lax.scan + jax.checkpoint) under FSDP
+    python -m benchmarks.gspmd.run --explicit      # the drop-in on an Explicit mesh
     python -m benchmarks.gspmd.run --json out.json
 """
 
@@ -58,8 +60,13 @@ def mlp(d: int, h: int):
     return params, loss
 
 
-def compile_steps(layout: str, *, d: int, h: int, rows: int, k: int = 1):
-    """The compiled drop-in step and baseline step: ``(ours, base)``."""
+def compile_steps(layout: str, *, d: int, h: int, rows: int, k: int = 1, explicit: bool = False):
+    """The compiled drop-in step and baseline step: ``(ours, base)``.
+
+    ``explicit``: the drop-in's step on a mesh with Explicit axes (``jax.make_mesh``'s default); the
+    baseline stays on Auto axes (the same loss under ``jax.value_and_grad`` on an Explicit mesh would
+    need ``out_sharding=`` on its TP matmuls). The devices and shardings are the same.
+    """
     import jax
     import numpy as np
     import optax
@@ -68,14 +75,14 @@ def compile_steps(layout: str, *, d: int, h: int, rows: int, k: int = 1):
 
     import optax_adascale
 
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     params, loss = mlp(d, h)
-    p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(layout))
-    x_sh = NamedSharding(mesh, P("data"))
-    x = jax.ShapeDtypeStruct((rows, d), np.float32, sharding=x_sh)
     grad_fn = optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k)
     compiled = []
     for tx, ours in ((optax_adascale.adascale_sgd(0.1, momentum=0.9), True), (optax.sgd(0.1, momentum=0.9), False)):
+        mesh = jax.make_mesh((4, 2), ("data", "model")) if ours and explicit else auto
+        p_sh = jax.tree.map(lambda s, mesh=mesh: NamedSharding(mesh, s), param_specs(layout))
+        x = jax.ShapeDtypeStruct((rows, d), np.float32, sharding=NamedSharding(mesh, P("data")))
         state = jax.eval_shape(tx.init, params)
         s_sh = (
             optax_adascale.state_shardings(state, params, p_sh)
@@ -260,11 +267,90 @@ def compile_own_loop(recipe: str, layout: str, *, d: int, h: int, rows: int, k: 
     return compiled, {dev.id: i for i, row in enumerate(mesh.devices) for dev in row}
 
 
-def measure(*, d: int, h: int, rows: int, ks=(1, 2), layouts=LAYOUTS) -> list[dict]:
+def stacked_model(d: int, layers: int):
+    """``layers`` residual tanh layers ``d → d`` stacked on a leading axis, applied by ``lax.scan`` under remat."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    kw, kb = jax.random.split(jax.random.key(0))
+    params = {
+        "layers": {"w": jax.random.normal(kw, (layers, d, d)) / d**0.5, "b": jax.random.normal(kb, (layers, d)) * 0.1},
+        "scale": jnp.ones(d),
+    }
+
+    def loss(p, x, y):
+        def layer(h, lp):
+            return h + jnp.tanh(h @ lp["w"] + lp["b"]), None
+
+        h, _ = lax.scan(jax.checkpoint(layer), x, p["layers"])
+        return jnp.mean((h * p["scale"] - y) ** 2)
+
+    return params, loss
+
+
+def stacked_specs():
+    """FSDP over all 8 devices ("data"): the stacked leaves split on a non-leading dimension."""
+    from jax.sharding import PartitionSpec as P
+
+    return {"layers": {"w": P(None, "data", None), "b": P(None, "data")}, "scale": P("data")}
+
+
+def compile_stacked(*, d: int, layers: int, rows: int):
+    """The drop-in step and ``jax.value_and_grad`` + SGD for the stacked model, FSDP over 8 devices."""
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import optax_adascale
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    params, loss = stacked_model(d, layers)
+    p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), stacked_specs())
+    x = jax.ShapeDtypeStruct((rows, d), np.float32, sharding=NamedSharding(mesh, P("data")))
+    grad_fn = optax_adascale.value_and_grad(loss, data_axes="data")
+    compiled = []
+    for tx, ours in ((optax_adascale.adascale_sgd(0.1, momentum=0.9), True), (optax.sgd(0.1, momentum=0.9), False)):
+        state = jax.eval_shape(tx.init, params)
+        s_sh = _state_shardings(state, params, p_sh, mesh)
+
+        def step(p, s, x, y, tx=tx, ours=ours):
+            if ours:
+                value, grads, stats = grad_fn(p, x, y)
+                updates, s = tx.update(grads, s, p, microbatch_stats=stats)
+            else:
+                value, grads = jax.value_and_grad(loss)(p, x, y)
+                updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, value
+
+        shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params, p_sh)
+        state_shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, s_sh)
+        jitted = jax.jit(step, out_shardings=(p_sh, s_sh, NamedSharding(mesh, P())))
+        with jax.set_mesh(mesh):
+            compiled.append(jitted.lower(shapes, state_shapes, x, x).compile())
+    return (*compiled, {dev.id: i for i, dev in enumerate(mesh.devices)})
+
+
+def measure_stacked(*, d: int = 512, layers: int = 8, rows: int = 4096) -> dict:
+    ours, base, data_of = compile_stacked(d=d, layers=layers, rows=rows)
+    o, b = facts(ours, data_of), facts(base, data_of)
+    return {
+        "layout": "stacked FSDP",
+        "k": 1,
+        "shape": f"{layers} × {d}→{d} scanned, remat, {rows} rows",
+        "drop_in": o,
+        "sgd": b,
+        "memory_ratio": o["memory"] / b["memory"],
+    }
+
+
+def measure(*, d: int, h: int, rows: int, ks=(1, 2), layouts=LAYOUTS, explicit: bool = False) -> list[dict]:
     results = []
     for k in ks:
         for layout in layouts:
-            ours, base, data_of = compile_steps(layout, d=d, h=h, rows=rows, k=k)
+            ours, base, data_of = compile_steps(layout, d=d, h=h, rows=rows, k=k, explicit=explicit)
             o, b = facts(ours, data_of), facts(base, data_of)
             results.append(
                 {
@@ -331,16 +417,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", default="1,2", help="micro-batches per shard to measure")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--loops", action="store_true", help="also compare hand-written micro-batch loops")
+    parser.add_argument(
+        "--explicit",
+        action="store_true",
+        help="the drop-in on an Explicit mesh (jax.make_mesh's default); SGD stays on Auto axes",
+    )
+    parser.add_argument(
+        "--stacked",
+        action="store_true",
+        help="only the stacked (scanned, remat) layers under FSDP: 8 × 512 → 512, 4096 rows",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    if args.stacked:
+        results = [measure_stacked()]
+        print(f"jax {jax.__version__}, FSDP over 8 devices (Auto), {results[0]['shape']}")
+        print(table(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     d, h, rows = (16, 32, 64) if args.smoke else (int(v) for v in args.shape.split(","))
     ks = tuple(int(v) for v in args.ks.split(","))
-    results = measure(d=d, h=h, rows=rows, ks=ks, layouts=tuple(args.layouts.split(",")))
-    print(f"jax {jax.__version__}, (data 4 × model 2) Auto mesh, MLP {d}→{h}→{d}, {rows} rows")
+    results = measure(d=d, h=h, rows=rows, ks=ks, layouts=tuple(args.layouts.split(",")), explicit=args.explicit)
+    kind = "Explicit (drop-in) / Auto (SGD)" if args.explicit else "Auto"
+    print(f"jax {jax.__version__}, (data 4 × model 2) {kind} mesh, MLP {d}→{h}→{d}, {rows} rows")
     print(table(results))
     if args.loops:
         loops = measure_loops(d=d, h=h, rows=rows, layouts=tuple(args.layouts.split(",")))
