@@ -47,6 +47,44 @@ def test_factories_take_explicit_keywords_only_after_the_optimizer_arguments():
     assert isinstance(optax_adascale.adascale_sgd(0.1), optax.GradientTransformationExtraArgs)
 
 
+ADASCALE_OPTIONS = {  # the main factory's options and their defaults: every other factory spells them so
+    name: param.default
+    for name, param in inspect.signature(optax_adascale.adascale).parameters.items()
+    if param.kind is inspect.Parameter.KEYWORD_ONLY
+}
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [optax_adascale.adascale_sgd, optax_adascale.adascale_adamw, optax_adascale.experimental.adascale],
+    ids=["adascale_sgd", "adascale_adamw", "experimental.adascale"],
+)
+def test_every_factory_spells_each_adascale_option_one_way(factory):
+    # The one exception: adascale_adamw's `eps` is Adam's ε, so AdaScale's floor is `variance_eps` there.
+    renamed = {"variance_eps": "eps"} if factory is optax_adascale.adascale_adamw else {}
+    params = inspect.signature(factory).parameters
+    own = {"nesterov"} if factory is optax_adascale.adascale_adamw else set()  # optax.adamw's keyword-only one
+    for name, param in params.items():
+        option = renamed.get(name, name)
+        if param.kind is not inspect.Parameter.KEYWORD_ONLY or name in own:
+            continue
+        if option in ADASCALE_OPTIONS:
+            assert param.default == ADASCALE_OPTIONS[option], (factory.__name__, name)
+        else:  # only the experiments may add options, and only in optax_adascale.experimental
+            assert factory is optax_adascale.experimental.adascale, (factory.__name__, name)
+            assert name in {"averaging", "gain_exponent", "precondition"}, name
+    assert not {"variance_eps", "fsdp_sq_norms", "averaging", "gain_exponent", "precondition"} & set(ADASCALE_OPTIONS)
+
+
+def test_value_and_grad_has_the_pinned_keywords_and_update_takes_one_statistics_keyword():
+    params = inspect.signature(optax_adascale.value_and_grad).parameters
+    assert list(params)[:5] == ["loss_fn", "data_axes", "num_microbatches", "has_aux", "mesh"]
+    assert [params[k].default for k in ("data_axes", "num_microbatches", "has_aux", "mesh")] == [None, 1, False, None]
+    update = optax_adascale.adascale_sgd(0.1).update
+    keywords = {n for n, p in inspect.signature(update).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert keywords == {"microbatch_stats"}
+
+
 def test_learning_rate_is_annotated_as_optax_scalar_or_schedule():
     # optax's own harness runs its schedule test only for this exact annotation object.
     for fn in (optax_adascale.adascale, optax_adascale.adascale_sgd):
