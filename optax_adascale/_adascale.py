@@ -329,7 +329,10 @@ def adascale(
     ``jax.lax.pcast(params, axis, to="varying")`` before ``jax.grad``),
     ``jax.vmap(..., axis_name=...)`` and multi-host meshes. Parameters split
     over other mesh axes (tensor parallelism) have their squared norms summed
-    over those axes in one more scalar-sized ``psum``.
+    over those axes in one more scalar-sized ``psum``. In a ``jax.jit`` step over
+    the *global* batch (GSPMD: no per-replica gradient exists), build it without
+    ``axis_name`` and pass the statistics of :func:`value_and_grad` (``data_axes``
+    set): ``update(grads, opt_state, params, microbatch_stats=stats)``.
 
     ``inner`` sees the averaged gradient and must be learning-rate free
     (``optax.trace(0.9)``, ``optax.identity()``, a chain with
