@@ -132,8 +132,8 @@ def tp_batches(samples: int):
 
 
 def make_tp_tx(**kw):
-    """The tensor-parallel runs' optimizer: :func:`make_tx` over the ``data`` axis."""
-    return make_tx(TP_SCHEDULE, axis_name="data", **kw)
+    """The tensor-parallel runs' optimizer: momentum SGD over the ``data`` axis (``adascale``: takes ``param_specs``)."""
+    return optax_adascale.adascale(optax.trace(0.9), TP_SCHEDULE, axis_name="data", **kw)
 
 
 def gain_and_tau(state):
