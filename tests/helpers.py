@@ -132,7 +132,7 @@ def tp_batches(samples: int):
 
 
 def make_tp_tx(**kw):
-    """The tensor-parallel runs' optimizer: momentum SGD over the ``data`` axis (``adascale``: takes ``param_specs``)."""
+    """The tensor-parallel runs' optimizer: momentum SGD over ``data`` (``adascale``, which takes ``param_specs``)."""
     return optax_adascale.adascale(optax.trace(0.9), TP_SCHEDULE, axis_name="data", **kw)
 
 
