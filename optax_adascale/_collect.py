@@ -398,7 +398,8 @@ def leaf_sq_norm(x: Array) -> Array:
     return jnp.sum(sq).astype(STAT_DTYPE)
 
 
-def _low(x: Array) -> bool:
+def low_precision(x: Array) -> bool:
+    """16-bit floats: divided by ``n`` before a sum so that values near their maximum cannot overflow."""
     return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16
 
 
@@ -439,12 +440,12 @@ def reduce_statistics(
         b_leaves = [leaf_sq_norm(weigh(g, i)) for i, g in enumerate(jax.tree.leaves(grads))]
     else:
         n = axes.replicas
-        sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if _low(x) else x, grads), local_sq), axes.data)
+        sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if low_precision(x) else x, grads), local_sq), axes.data)
         b_leaves = [
-            leaf_sq_norm(weigh(s, i)) if _low(s) else leaf_sq_norm(weigh(s, i)) / (n * n)
+            leaf_sq_norm(weigh(s, i)) if low_precision(s) else leaf_sq_norm(weigh(s, i)) / (n * n)
             for i, s in enumerate(jax.tree.leaves(sums))
         ]
-        mean = jax.tree.map(lambda s: s if _low(s) else s / n, sums)
+        mean = jax.tree.map(lambda s: s if low_precision(s) else s / n, sums)
         a = sq_sum / n
     b = groups.sums(model.mask(b_leaves))
     if model.axes:

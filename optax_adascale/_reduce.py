@@ -132,7 +132,7 @@ class ZeroRows:
         del weights  # refused with shard_optimizer_state by the factory
         axis, n = shape.axes.data, shape.axes.replicas
         groups, model = shape.groups, shape.axes.model
-        low = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16  # noqa: E731
+        low = _collect.low_precision
         lead = _local_lead(state.inner_state.rows)
 
         with jax.named_scope("adascale/reduce_scatter"):
