@@ -171,11 +171,12 @@ def test_flagship_smoke_larger_scale_takes_fewer_iterations(flagship_run):
 @pytest.mark.parametrize("mesh", ["pmap", "gspmd", "vmap"])
 def test_flagship_smoke_mesh_matches_shard_map(mesh, flagship_run, tmp_path):
     # The example draws the same batches under every mesh, so four parallel mechanisms must print the same
-    # iterations, τ, gains, accuracies and losses (to the printed precision).
-    rows, png = run_flagship(tmp_path, "--mesh", mesh, "--scales", "8", "32")
+    # iterations, τ, gains, accuracies and losses (to the printed precision). One scale per mesh: S = 32 has
+    # the most replicas per device (4 on 8 devices), the case where the mechanisms differ most.
+    rows, png = run_flagship(tmp_path, "--mesh", mesh, "--scales", "32")
     assert png.read_bytes()[:8] == PNG_MAGIC
     reference, _ = flagship_run
-    for scale in (8, 32):
+    for scale in (32,):
         for key in ("iterations", "tau", "gain", "acc", "loss"):
             assert rows[scale][key] == reference[scale][key], (mesh, scale, key)
 
