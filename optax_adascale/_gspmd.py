@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale import _checks, _microbatch, _scan_probes
+from optax_adascale import _checks, _global_draws, _microbatch, _scan_probes
 from optax_adascale._collect import STAT_DTYPE, compute_dtype, leaf_sq_norm, low_precision
 from optax_adascale._microbatch import MicrobatchStats
 
@@ -179,7 +179,9 @@ def value_and_grad(
             aux_specs = None
             if has_aux:  # per-example leaves come back split like the batch, the rest replicated
                 per = _batch_rows(batch, n, 1) // n
-                shard_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:], x.dtype), batch)
+                shard_shapes = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:] if jnp.ndim(x) else (), x.dtype), batch
+                )
                 param_shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
                 aux = jax.eval_shape(lambda p, b: loss_fn(p, *b)[1], param_shapes, shard_shapes)
                 spec = jax.sharding.PartitionSpec(names if len(names) > 1 else names[0])
@@ -194,15 +196,21 @@ def value_and_grad(
         shards = math.prod(the_mesh.shape[a] for a in names)
         spmd = names[0] if len(names) == 1 else names
         n = shards * k
+        loss, batch = _close_over_scalars(loss_fn, batch)
         rows = _batch_rows(batch, shards, k)
         per = rows // n
+        leaves, treedef = jax.tree.flatten(params)
+        sample_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:], x.dtype), batch)
+        global_draws = _global_draws.rewrite(loss, leaves, treedef, sample_shapes, per, n)
+        if global_draws is not None:  # the rewritten loss reads its sample from the rows' global numbers
+            loss, batch = global_draws, (*batch, jnp.arange(rows, dtype=jnp.int32))
         split = jax.tree.map(lambda x: x.reshape((shards, k, per) + x.shape[1:]), batch)
         try:
             if k == 1:
-                value, aux, grads, sq = _probed(loss_fn, has_aux, spmd, params, split, n)
+                value, aux, grads, sq = _probed(loss, has_aux, spmd, params, split, n)
             else:
                 other = math.prod(size for a, size in the_mesh.shape.items() if a not in names)
-                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n, unroll, other)
+                value, aux, grads, sq = _scanned(loss, has_aux, spmd, params, split, n, unroll, other)
         except ValueError as err:
             if "spmd_axis_name" not in str(err):
                 raise
@@ -424,15 +432,29 @@ def _resolve_mesh(mesh, names):
     return mesh
 
 
+def _close_over_scalars(loss_fn, batch):
+    """Scalar leaves of the batch (a PRNG key, a step number) go to every sample as they are: closed over."""
+    leaves, tree = jax.tree.flatten(batch)
+    scalars = {i: x for i, x in enumerate(leaves) if not jnp.ndim(x)}
+    if not scalars:
+        return loss_fn, batch
+
+    def loss(params, *rows):
+        it = iter(rows)
+        return loss_fn(params, *tree.unflatten([scalars[i] if i in scalars else next(it) for i in range(len(leaves))]))
+
+    return loss, [x for i, x in enumerate(leaves) if i not in scalars]
+
+
 def _batch_rows(batch, shards, k):
-    leaves = jax.tree.leaves(batch)
+    leaves = [x for x in jax.tree.leaves(batch) if jnp.ndim(x)]  # scalars go to every sample unchanged
     if not leaves:
         raise ValueError("value_and_grad(data_axes=...) needs a batch: call fn(params, *batch)")
-    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
-    if None in sizes or len(sizes) != 1:
+    sizes = {jnp.shape(x)[0] for x in leaves}
+    if len(sizes) != 1:
         raise ValueError(
-            "every leaf of the batch must have the batch as its leading dimension, got leading sizes "
-            f"{sorted(s for s in sizes if s is not None)}{' and a scalar' if None in sizes else ''}"
+            f"every leaf of the batch but scalars must have the batch as its leading dimension, got leading "
+            f"sizes {sorted(sizes)}"
         )
     rows = sizes.pop()
     if rows % (shards * k):

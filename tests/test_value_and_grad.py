@@ -209,21 +209,113 @@ def test_has_aux_is_as_from_the_global_call():
         np.testing.assert_allclose(aux["accuracy"], ref_aux["accuracy"], rtol=1e-6)
 
 
-def test_random_draws_inside_the_loss_repeat_per_shard():
-    """What holds (documented): a key closed over gives every shard the same draws of its rows."""
+DROP = 0.7
+
+
+def dropout_loss(params, x, y, mask, noise):
+    """The loss with its random draws as inputs: the truth the drop-in's draws are held to."""
+    h = jnp.where(mask, jnp.tanh(x @ params["w1"] + params["b1"]) / DROP, 0.0)
+    return optax.softmax_cross_entropy_with_integer_labels(h @ (params["w2"] + noise), y).mean()
+
+
+def draws(key, rows):
+    """A dropout mask shaped by the rows and a noise of w2's shape (not shaped by the rows)."""
+    k_mask, k_noise = jax.random.split(key)
+    return jax.random.bernoulli(k_mask, DROP, (rows, HIDDEN)), 0.01 * jax.random.normal(k_noise, (HIDDEN, CLASSES))
+
+
+def random_loss(params, x, y, key):
+    """Dropout from a key passed unbatched (a scalar batch leaf), split inside the loss."""
+    return dropout_loss(params, x, y, *draws(key, x.shape[0]))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_random_draws_inside_the_loss_are_the_global_calls(axis_type, k):
+    """A key passed unbatched: each sample gets its rows of the global call's dropout mask (not a mask of
+    its own repeated per shard), and the same parameter-shaped noise. Value and grads equal the global
+    call's; the statistics are those of the samples' gradients under the global mask."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    x, y = (b[0][:32] for b in batches())
     key = jax.random.key(3)
-
-    def noisy_loss(w, x):
-        return jnp.mean(jax.random.normal(key, x.shape) * x * w)
-
-    mesh = auto_mesh()
-    x = jnp.ones((8, 2))
-    fn = jax.jit(optax_adascale.value_and_grad(noisy_loss, data_axes="data"))
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], x, y)
+    fn = jax.jit(optax_adascale.value_and_grad(random_loss, data_axes="data", num_microbatches=k))
     with jax.set_mesh(mesh):
-        _, grads, stats = fn(jnp.float32(1.0), jax.device_put(x, NamedSharding(mesh, P("data"))))
-    per_shard = jax.grad(noisy_loss)(jnp.float32(1.0), x[:2])
-    np.testing.assert_allclose(grads, per_shard, rtol=1e-6)  # four identical samples
-    np.testing.assert_allclose(stats.sq_norms, per_shard**2, rtol=1e-6)
+        value, grads, stats = fn(params, xs, ys, key)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(random_loss))(init_params(), x, y, key)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), stats.sq_norms, dropout_stats(k))
+
+
+@functools.cache
+def dropout_stats(k, n_shards=4, rows=32):
+    """Per leaf, the mean over the n samples of ‖g_i‖², sample i holding its rows of the global mask."""
+    n = n_shards * k
+    x, y = (b[0][:rows] for b in batches())
+    mask, noise = draws(jax.random.key(3), rows)
+    assert not np.array_equal(mask[: rows // n], mask[rows // n : 2 * rows // n]), "samples' masks must differ"
+    per_sample = jax.jit(jax.vmap(jax.grad(dropout_loss), in_axes=(None, 0, 0, 0, None)))
+    split = (a.reshape((n, -1) + a.shape[1:]) for a in (x, y, mask))
+    grads = per_sample(init_params(), *split, noise)
+    return jax.tree.map(lambda g: jnp.mean(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))), grads)
+
+
+@pytest.mark.parametrize(("axis_type", "k"), [(AxisType.Auto, 1), (AxisType.Explicit, 2)])
+def test_flax_dropout_inside_the_loss_is_the_global_calls(axis_type, k):
+    """Flax nn.Dropout in an nn.Module applied with rngs={"dropout": key} (a key closed over)."""
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dropout(0.3, deterministic=False)(jnp.tanh(nn.Dense(HIDDEN)(x)))
+            return nn.Dense(CLASSES)(h)
+
+    model, key = MLP(), jax.random.key(4)
+    x, y = (b[0][:32] for b in batches())
+    variables = model.init(jax.random.key(0), x)
+
+    def loss(variables, x, y):
+        logits = model.apply(variables, x, rngs={"dropout": key})
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    ref = jax.jit(jax.value_and_grad(loss))(variables, x, y)
+    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k))
+    with jax.set_mesh(mesh):
+        ours = fn(variables, *(jax.device_put(b, NamedSharding(mesh, P("data"))) for b in (x, y)))[:2]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, ref)
+
+
+def test_random_draws_inside_stacked_layers_are_the_global_calls():
+    """Dropout per layer (fold_in of the layer index) inside a scanned, checkpointed stack (probed per layer)."""
+
+    def loss(params, x, y, key):
+        def layer(h, wi):
+            w, i = wi
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.8, h.shape)
+            return h + jnp.where(keep, jnp.tanh(h @ w), 0.0), None
+
+        h = jax.lax.scan(jax.checkpoint(layer), x, (params["layers"]["w"], jnp.arange(3)))[0]
+        return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], y).mean()
+
+    mesh, key = auto_mesh(), jax.random.key(5)
+    x, y = (b[0][:32] for b in batches())
+    params = stacked_params()
+    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))
+    with jax.set_mesh(mesh):
+        ours = fn(params, *(jax.device_put(b, NamedSharding(mesh, P("data"))) for b in (x, y)), key)[:2]
+    ref = jax.jit(jax.value_and_grad(loss))(params, x, y, key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, ref)
+
+
+def test_row_shaped_draw_from_an_rbg_key_raises_our_error():
+    mesh = auto_mesh()
+    x, y = (b[0][:32] for b in batches())
+    fn = jax.jit(optax_adascale.value_and_grad(random_loss, data_axes="data"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"implementation 'rbg'.*threefry2x32"):
+        fn(init_params(), x, y, jax.random.key(3, impl="rbg"))
 
 
 # --------------------------------------------------------------------------- per replica (data_axes=None)
