@@ -15,10 +15,10 @@ whose shape follows the rows (and along which dimension); it is re-evaluated wit
 replaced by the sample's slice of the global draw. Draws of any other shape (noise of a parameter's
 shape) are left as they are: they are the global call's already.
 
-Reads ``jax.extend.core`` and primitive names. It recurses into ``jit``, ``scan``, ``while``, ``cond``
-and ``checkpoint``; a row-shaped draw inside a ``custom_jvp`` / ``custom_vjp`` function, from a key of
-another implementation (``rbg``), or with ``jax_threefry_partitionable`` off raises a ``ValueError``:
-those draws cannot be sliced.
+It recurses into ``jit``, ``scan``, ``while``, ``cond`` and ``checkpoint`` (:mod:`._interpret`); a
+row-shaped draw inside a ``custom_jvp`` / ``custom_vjp`` function, from a key of another implementation
+(``rbg``), or with ``jax_threefry_partitionable`` off raises a ``ValueError``: those draws cannot be
+sliced.
 """
 
 import math
@@ -26,6 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from optax_adascale._interpret import Interpreter, subjaxprs
 
 _DRAWS = ("random_bits", "random_split")
 _U32 = jnp.uint32
@@ -76,21 +78,8 @@ def _weak(x):
         return False
 
 
-def _subjaxprs(eqn):
-    """The sub-jaxprs of an equation, in a fixed order (``jit``, ``scan``, ``cond`` branches, ...)."""
-    out = []
-    for key in sorted(eqn.params):
-        value = eqn.params[key]
-        for v in value if isinstance(value, tuple) else (value,):
-            if hasattr(v, "eqns"):
-                out.append(v)
-            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-                out.append(v.jaxpr)
-    return out
-
-
 def _has_draws(jaxpr):
-    return any(e.primitive.name in _DRAWS or any(_has_draws(j) for j in _subjaxprs(e)) for e in jaxpr.eqns)
+    return any(e.primitive.name in _DRAWS or any(_has_draws(j) for j in subjaxprs(e)) for e in jaxpr.eqns)
 
 
 def _plan(jaxpr, twice, per, plan):
@@ -122,90 +111,30 @@ def _plan(jaxpr, twice, per, plan):
             plan[id(eqn)] = grown[0]
             found = True
         else:
-            inner = [_plan(a, b, per, plan) for a, b in zip(_subjaxprs(eqn), _subjaxprs(other), strict=True)]
+            inner = [_plan(a, b, per, plan) for a, b in zip(subjaxprs(eqn), subjaxprs(other), strict=True)]
             if any(inner):
                 plan[id(eqn)] = None
                 found = True
     return found
 
 
-class _Rewrite:
+class _Rewrite(Interpreter):
     """Evaluates a jaxpr with the planned draws replaced by sample ``sample``'s slice of the global draw."""
 
     def __init__(self, plan, n, sample):
         self.plan, self.n, self.sample = plan, n, sample
 
-    def eval(self, jaxpr, consts, args):
-        from jax.extend.core import Literal
+    def rewrites(self, eqn):
+        return id(eqn) in self.plan
 
-        env = {}
+    def leaf(self, eqn, invals):
+        return self.draw(eqn, invals[0])
 
-        def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args, strict=True):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            if id(eqn) in self.plan:
-                ans = self.rewrite(eqn, invals)
-            else:
-                with eqn.ctx.manager:
-                    ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            if eqn.primitive.multiple_results:
-                for v, x in zip(eqn.outvars, ans, strict=True):
-                    env[v] = x
-            else:
-                env[eqn.outvars[0]] = ans
-        return [read(v) for v in jaxpr.outvars]
-
-    def rewrite(self, eqn, invals):
-        name, params = eqn.primitive.name, eqn.params
-        if name in _DRAWS:
-            return self.draw(eqn, invals[0])
-        if name in ("jit", "pjit"):
-            return self.eval(params["jaxpr"].jaxpr, params["jaxpr"].consts, invals)
-        if name.startswith("remat") or name == "checkpoint":
-            body = lambda *args: self.eval(params["jaxpr"], (), list(args))  # noqa: E731
-            return jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))(
-                *invals
-            )
-        if name == "scan":
-            return self.scan(params, invals)
-        if name == "while":
-            return self.while_loop(params, invals)
-        if name == "cond":
-            branches = [lambda *ops, b=b: self.eval(b.jaxpr, b.consts, list(ops)) for b in params["branches"]]
-            return lax.switch(invals[0], branches, *invals[1:])
+    def opaque(self, eqn, invals):
         raise ValueError(
-            f"loss_fn makes a random draw shaped by the batch rows inside a `{name}` (e.g. a jax.custom_vjp "
-            "function): value_and_grad(data_axes=...) cannot give it the global call's draws there. Draw the "
-            "random numbers outside it and pass them in."
-        )
-
-    def scan(self, params, invals):
-        nc, ncarry, body = params["num_consts"], params["num_carry"], params["jaxpr"]
-        consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-
-        def step(carry, x):
-            out = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x])
-            return out[:ncarry], out[ncarry:]
-
-        carry, ys = lax.scan(
-            step, list(init), list(xs), length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
-        )
-        return [*carry, *ys]
-
-    def while_loop(self, params, invals):
-        cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        cond, body = params["cond_jaxpr"], params["body_jaxpr"]
-        cond_consts, body_consts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
-        return lax.while_loop(
-            lambda c: self.eval(cond.jaxpr, cond.consts, [*cond_consts, *c])[0],
-            lambda c: self.eval(body.jaxpr, body.consts, [*body_consts, *c]),
-            list(init),
+            f"loss_fn makes a random draw shaped by the batch rows inside a `{eqn.primitive.name}` (e.g. a "
+            "jax.custom_vjp function): value_and_grad(data_axes=...) cannot give it the global call's draws "
+            "there. Draw the random numbers outside it and pass them in."
         )
 
     def draw(self, eqn, keys):

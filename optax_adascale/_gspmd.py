@@ -32,6 +32,7 @@ keeps everything in global semantics and lets the SPMD partitioner place it:
   parameters' shardings.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale import _checks, _global_draws, _microbatch, _scan_probes
+from optax_adascale import _checks, _explicit_loss, _global_draws, _microbatch, _scan_probes
 from optax_adascale._collect import STAT_DTYPE, compute_dtype, leaf_sq_norm, low_precision
 from optax_adascale._microbatch import MicrobatchStats
 
@@ -174,29 +175,31 @@ def value_and_grad(
         explicit = tuple(
             a for a, t in zip(the_mesh.axis_names, the_mesh.axis_types, strict=True) if "Explicit" in str(t)
         )
+        n = math.prod(the_mesh.shape[a] for a in names) * k
+        per = _batch_rows(batch, n, 1) // n
+        # Shardings named in the loss (out_sharding=, reshard, constraints): data axes dropped (_explicit_loss).
+        loss = _explicit_loss.rewrite(loss_fn, params, batch, per, names, the_mesh, bool(explicit)) or loss_fn
         if explicit:
-            n = math.prod(the_mesh.shape[a] for a in names) * k
             aux_specs = None
             if has_aux:  # per-example leaves come back split like the batch, the rest replicated
-                per = _batch_rows(batch, n, 1) // n
                 shard_shapes = jax.tree.map(
                     lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:] if jnp.ndim(x) else (), x.dtype), batch
                 )
                 param_shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-                aux = jax.eval_shape(lambda p, b: loss_fn(p, *b)[1], param_shapes, shard_shapes)
+                aux = jax.eval_shape(lambda p, b: loss(p, *b)[1], param_shapes, shard_shapes)
                 spec = jax.sharding.PartitionSpec(names if len(names) > 1 else names[0])
                 aux_specs = jax.tree.map(
                     lambda a: spec if len(a.shape) >= 1 and a.shape[0] == per else jax.sharding.PartitionSpec(), aux
                 )
-            return _on_explicit_mesh(auto_fn, the_mesh, explicit, n, aux_specs, params, batch)
-        return auto_fn(params, *batch)
+            return _on_explicit_mesh(functools.partial(auto_fn, loss), the_mesh, explicit, n, aux_specs, params, batch)
+        return auto_fn(loss, params, *batch)
 
-    def auto_fn(params, *batch):
+    def auto_fn(loss, params, *batch):
         the_mesh = _resolve_mesh(mesh, names)
         shards = math.prod(the_mesh.shape[a] for a in names)
         spmd = names[0] if len(names) == 1 else names
         n = shards * k
-        loss, batch = _close_over_scalars(loss_fn, batch)
+        loss, batch = _close_over_scalars(loss, batch)
         rows = _batch_rows(batch, shards, k)
         per = rows // n
         leaves, treedef = jax.tree.flatten(params)
@@ -215,10 +218,10 @@ def value_and_grad(
             if "spmd_axis_name" not in str(err):
                 raise
             raise ValueError(
-                f"loss_fn constrains an array's sharding over the data axes {names}: value_and_grad(data_axes=...) "
-                "evaluates loss_fn on one data shard's rows at a time, so a with_sharding_constraint (or "
-                "out_sharding) naming a data axis cannot be honoured. Drop the data axes from the loss's "
-                "constraints (keep the model axes, e.g. P(None, 'model')); the batch stays sharded over them."
+                f"loss_fn constrains an array's sharding over the data axes {names} inside a jax.custom_jvp or "
+                "jax.custom_vjp function: value_and_grad(data_axes=...) evaluates loss_fn on one data shard's rows "
+                "at a time and drops the data axes from the loss's shardings, but not inside those. Drop the data "
+                "axes there (keep the model axes, e.g. P(None, 'model')); the batch stays sharded over them."
             ) from err
         stats = MicrobatchStats(sq, n)
         if has_aux:

@@ -91,10 +91,10 @@ def state_shardings(tx, params, mesh, specs, data_axes="data"):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs)
 
 
-def global_run(mesh, specs, data_axes, k, dtype=jnp.float32):
+def global_run(mesh, specs, data_axes, k, dtype=jnp.float32, loss=loss_fn):
     """The user's step: one jit over the global batch, the drop-in, a tx without axis_name."""
     tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9)
-    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes=data_axes, num_microbatches=k)
+    grad_fn = optax_adascale.value_and_grad(loss, data_axes=data_axes, num_microbatches=k)
     p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     params = jax.device_put(init_params(dtype), p_sh)
     s_sh = state_shardings(tx, params, mesh, specs, data_axes)
@@ -432,16 +432,23 @@ def test_state_shardings_follow_the_params_and_survive_an_orbax_round_trip(tmp_p
     assert_trees_equal(resumed, (params, opt_state))
 
 
-def test_loss_constraining_the_batch_axis_raises_our_error():
+def test_loss_constraining_the_batch_axis_on_an_auto_mesh_is_the_global_call():
+    """with_sharding_constraint naming the data axis (it used to raise): the data axes are dropped from the
+    constraint (the vmapped dimension carries them), the model axes kept; value and grads are the global call's."""
+
     def constrained(params, x, y):
         h = jax.lax.with_sharding_constraint(jnp.tanh(x @ params["w1"] + params["b1"]), P("data", "model"))
         return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
 
-    x, y = (b[0] for b in batches())
+    mesh = auto_mesh()
+    x, y = (b[0][:32] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["TPxFSDP"], x, y)
+    ref = jax.jit(jax.value_and_grad(loss_fn))(init_params(), x, y)
     for k in (1, 2):
         fn = jax.jit(optax_adascale.value_and_grad(constrained, data_axes="data", num_microbatches=k))
-        with jax.set_mesh(auto_mesh()), pytest.raises(ValueError, match=r"constrains.*data axes.*P\(None, 'model'\)"):
-            fn(init_params(), x, y)
+        with jax.set_mesh(mesh):
+            ours = fn(params, xs, ys)[:2]
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, ref)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -490,18 +497,23 @@ def test_explicit_mesh_passed_as_mesh_keyword():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), (value, grads), ref)
 
 
-def test_explicit_mesh_loss_with_out_sharding_raises_our_error():
-    """A loss written the Explicit way (out_sharding= naming the batch axis) is refused with a way out."""
+def explicit_way_loss(params, x, y):
+    """loss_fn written the Explicit way, as MaxText and Flax's lm1b write theirs: parameters resharded for use,
+    out_sharding= naming the batch and model axes, a constraint on the activations."""
+    w1 = jax.sharding.reshard(params["w1"], P(None, "model"))
+    b1, w2 = jax.sharding.reshard(params["b1"], P("model")), jax.sharding.reshard(params["w2"], P("model", None))
+    h = jnp.tanh(jnp.einsum("bd,dh->bh", x, w1, out_sharding=P("data", "model")) + b1)
+    h = jax.lax.with_sharding_constraint(h, P("data", "model"))
+    logits = jnp.einsum("bh,hc->bc", h, w2, out_sharding=P("data", None))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    def tp_loss(params, x, y):
-        h = jnp.tanh(jnp.matmul(x, params["w1"], out_sharding=P("data", "model")) + params["b1"])
-        return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
 
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
-    params, (xs, ys) = place(mesh, LAYOUTS["TP"], *(b[0] for b in batches()))
-    fn = jax.jit(optax_adascale.value_and_grad(tp_loss, data_axes="data"))
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"out_sharding=.*Drop out_sharding=.*AxisType\.Auto"):
-        fn(params, xs, ys)
+@pytest.mark.parametrize(("layout", "k"), [("TP", 1), ("TPxFSDP", 1), ("TPxFSDP", 2)])
+def test_explicit_way_loss_run_equals_replicated_run(layout, k):
+    """On jax.make_mesh's Explicit mesh, a loss naming the batch axis in out_sharding= / reshard / constraints
+    (it used to raise): the same run as the replicated one."""
+    ours = global_run(jax.make_mesh((4, 2), ("data", "model")), LAYOUTS[layout], "data", k, loss=explicit_way_loss)
+    assert_same_run(ours, replicated_run(4, k), rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- your own loop (docs/gspmd.md)
