@@ -31,10 +31,13 @@ _ANNOTATIONS = ("reshard", "sharding_constraint", "mesh_cast")
 
 
 def rewrite(loss_fn, params, batch, per, data_axes, mesh, explicit):
-    """``loss(params, *batch)`` for one sample's rows with its shardings rewritten; ``None`` if it names none.
+    """``(loss, why_not)``: ``loss(params, *batch)`` for one sample's rows with its shardings rewritten.
 
-    ``batch`` is the global batch (scalar leaves go to every sample as they are); ``explicit``: the
-    loss is traced on the size-1-data-axes copy of the mesh with the arguments' Explicit shardings.
+    ``loss`` is ``None`` if the loss names no mesh axis in a sharding, or (``why_not``, the error) if on an
+    Explicit mesh it does not trace the Explicit way on one sample's rows (e.g. a matmul contracting
+    model-sharded dimensions without ``out_sharding=``): it then runs with the axes Auto, as written.
+    ``batch`` is the global batch (scalar leaves go to every sample as they are); ``explicit``: the loss
+    is traced on the size-1-data-axes copy of the mesh with the arguments' Explicit shardings.
     """
     param_leaves, treedef = jax.tree.flatten(params)
     batch_leaves, batch_def = jax.tree.flatten(batch)
@@ -53,26 +56,30 @@ def rewrite(loss_fn, params, batch, per, data_axes, mesh, explicit):
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(shard_mesh, jax.typeof(x).sharding.spec))
 
     # The data axes at size 1; an extra axis, named in no spec, keeps the device count JAX requires.
-    shards = math.prod(size for a, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if a in data_axes)
+    shards = math.prod(mesh.shape[a] for a in data_axes)
     shard_mesh = jax.sharding.AbstractMesh(
-        (*(1 if a in data_axes else size for a, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True)), shards),
+        (*(1 if a in data_axes else mesh.shape[a] for a in mesh.axis_names), shards),
         (*mesh.axis_names, "_samples"),
         axis_types=(*mesh.axis_types, jax.sharding.AxisType.Explicit),
     )
     avals = [aval(p, None) for p in param_leaves] + [aval(x, per) for x in batch_leaves]
     if explicit:
-        with jax.sharding.use_abstract_mesh(shard_mesh):
-            closed = jax.make_jaxpr(flat_loss)(*avals)
+        try:
+            with jax.sharding.use_abstract_mesh(shard_mesh):
+                closed = jax.make_jaxpr(flat_loss)(*avals)
+        except Exception as err:  # noqa: BLE001 - not written the Explicit way: it runs with the axes Auto
+            return None, err
     else:
         closed = jax.make_jaxpr(flat_loss)(*avals)
     if not _annotated(closed.jaxpr):
-        return None
+        return None, None
 
     def loss(params, *batch):
         args = [*jax.tree.leaves(params), *jax.tree.leaves(batch)]
-        return out_tree[0].unflatten(_Rewrite(set(data_axes)).eval(closed.jaxpr, closed.consts, args))
+        rewrite = _Rewrite(set(data_axes), jax.sharding.get_abstract_mesh(), mesh)
+        return out_tree[0].unflatten(rewrite.eval(closed.jaxpr, closed.consts, args))
 
-    return loss
+    return loss, None
 
 
 def _specs(eqn):
@@ -110,10 +117,13 @@ def _strip(spec, data_axes):
 class _Rewrite(Interpreter):
     """Every equation re-bound without its shardings, which become constraints without the data axes."""
 
-    keep_context = False  # the trace-time context holds the size-1-data-axes mesh
+    def __init__(self, data_axes, context, mesh):
+        self.data_axes, self.context, self.mesh = data_axes, context, mesh
 
-    def __init__(self, data_axes):
-        self.data_axes = data_axes
+    def bind(self, eqn, invals, params=None):
+        params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+        with eqn.ctx.manager, jax.sharding.use_abstract_mesh(self.context):  # not the trace's size-1-data-axes mesh
+            return eqn.primitive.bind(*invals, **params)
 
     def rewrites(self, eqn):
         return True
@@ -134,4 +144,5 @@ class _Rewrite(Interpreter):
     def constrain(self, x, spec):
         if not jnp.issubdtype(x.dtype, jnp.number) and x.dtype != jnp.bool_:
             return x  # PRNG keys
-        return jax.lax.with_sharding_constraint(x, _strip(spec, self.data_axes))
+        spec = _strip(spec, self.data_axes)  # a bare spec means the context's mesh; with none set, ``mesh=``'s
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec) if self.context.empty else spec)

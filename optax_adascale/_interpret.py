@@ -42,8 +42,6 @@ def is_call(eqn):
 class Interpreter:
     """``jax.core.eval_jaxpr`` that hands the equations :meth:`rewrites` selects to :meth:`leaf` / :meth:`call`."""
 
-    keep_context = True  # bind under each equation's trace-time context (compute type, abstract mesh)
-
     def rewrites(self, eqn):
         raise NotImplementedError
 
@@ -82,9 +80,8 @@ class Interpreter:
         return [read(v) for v in jaxpr.outvars]
 
     def bind(self, eqn, invals, params=None):
+        """The equation as traced (``params`` replacing its own), under its trace-time context."""
         params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-        if not self.keep_context:
-            return eqn.primitive.bind(*invals, **params)
         with eqn.ctx.manager:
             return eqn.primitive.bind(*invals, **params)
 

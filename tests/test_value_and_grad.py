@@ -516,6 +516,21 @@ def test_explicit_way_loss_run_equals_replicated_run(layout, k):
     assert_same_run(ours, replicated_run(4, k), rtol=1e-5)
 
 
+def test_explicit_mesh_loss_not_valid_the_explicit_way_raises_our_error():
+    """out_sharding= on one matmul, the next contracting model-sharded dimensions without one (JAX refuses it
+    on an Explicit mesh, for the global call too): our error names the cause and the ways out."""
+
+    def half_explicit(params, x, y):
+        h = jnp.tanh(jnp.einsum("bd,dh->bh", x, params["w1"], out_sharding=P("data", "model")) + params["b1"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], *(b[0][:32] for b in batches()))
+    fn = jax.jit(optax_adascale.value_and_grad(half_explicit, data_axes="data"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"out_sharding=.*Contracting dimensions.*AxisType\.Auto"):
+        fn(params, xs, ys)
+
+
 # --------------------------------------------------------------------------- your own loop (docs/gspmd.md)
 
 
