@@ -41,20 +41,8 @@ def rewrite(loss_fn, params, batch, per, data_axes, mesh, explicit):
     """
     param_leaves, treedef = jax.tree.flatten(params)
     batch_leaves, batch_def = jax.tree.flatten(batch)
-    out_tree = []
-
-    def flat_loss(*args):
-        ps = treedef.unflatten(list(args[: len(param_leaves)]))
-        flat, tree = jax.tree.flatten(loss_fn(ps, *batch_def.unflatten(list(args[len(param_leaves) :]))))
-        out_tree.append(tree)
-        return flat
-
-    def aval(x, rows):
-        shape = (rows,) + jnp.shape(x)[1:] if jnp.ndim(x) and rows else jnp.shape(x)
-        if not explicit:
-            return jax.ShapeDtypeStruct(shape, x.dtype)
-        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(shard_mesh, jax.typeof(x).sharding.spec))
-
+    leaves = [*param_leaves, *batch_leaves]
+    specs = [jax.typeof(x).sharding.spec if explicit else None for x in leaves]
     # The data axes at size 1; an extra axis, named in no spec, keeps the device count JAX requires.
     shards = math.prod(mesh.shape[a] for a in data_axes)
     shard_mesh = jax.sharding.AbstractMesh(
@@ -62,22 +50,48 @@ def rewrite(loss_fn, params, batch, per, data_axes, mesh, explicit):
         (*mesh.axis_names, "_samples"),
         axis_types=(*mesh.axis_types, jax.sharding.AxisType.Explicit),
     )
-    avals = [aval(p, None) for p in param_leaves] + [aval(x, per) for x in batch_leaves]
-    if explicit:
-        try:
-            with jax.sharding.use_abstract_mesh(shard_mesh):
-                closed = jax.make_jaxpr(flat_loss)(*avals)
-        except Exception as err:  # noqa: BLE001 - not written the Explicit way: it runs with the axes Auto
-            return None, err
-    else:
-        closed = jax.make_jaxpr(flat_loss)(*avals)
+    out_tree = []
+    traced = {}
+
+    def flat_loss(*args):
+        ps = treedef.unflatten(list(args[: len(param_leaves)]))
+        flat, tree = jax.tree.flatten(loss_fn(ps, *batch_def.unflatten(list(args[len(param_leaves) :]))))
+        out_tree.append(tree)
+        return flat
+
+    def trace(shapes):
+        """The loss's jaxpr at these argument shapes (another row count too: ``_global_draws`` traces at two)."""
+        if shapes not in traced:
+            if explicit:
+                avals = [
+                    jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(shard_mesh, spec))
+                    for x, shape, spec in zip(leaves, shapes, specs, strict=True)
+                ]
+                with jax.sharding.use_abstract_mesh(shard_mesh):
+                    traced[shapes] = jax.make_jaxpr(flat_loss)(*avals)
+            else:
+                traced[shapes] = jax.make_jaxpr(flat_loss)(
+                    *(jax.ShapeDtypeStruct(s, x.dtype) for x, s in zip(leaves, shapes))
+                )
+        return traced[shapes]
+
+    sample = tuple(jnp.shape(x) for x in param_leaves) + tuple(
+        (per,) + jnp.shape(x)[1:] if jnp.ndim(x) else () for x in batch_leaves
+    )
+    try:
+        closed = trace(sample)
+    except Exception as err:  # noqa: BLE001 - not written the Explicit way: it runs with the axes Auto
+        if not explicit:
+            raise
+        return None, err
     if not _annotated(closed.jaxpr):
         return None, None
 
     def loss(params, *batch):
         args = [*jax.tree.leaves(params), *jax.tree.leaves(batch)]
+        closed = trace(tuple(jnp.shape(x) for x in args))
         rewrite = _Rewrite(set(data_axes), jax.sharding.get_abstract_mesh(), mesh)
-        return out_tree[0].unflatten(rewrite.eval(closed.jaxpr, closed.consts, args))
+        return out_tree[-1].unflatten(rewrite.eval(closed.jaxpr, closed.consts, args))
 
     return loss, None
 

@@ -56,8 +56,16 @@ def rewrite(loss_fn, param_leaves, treedef, batch_shapes, per, n):
     closed = trace(per)
     if not _has_draws(closed.jaxpr):
         return None
+    try:
+        twice = trace(2 * per)
+    except Exception as err:  # noqa: BLE001 - e.g. a shape written into the loss
+        raise ValueError(
+            f"loss_fn makes random draws, and value_and_grad(data_axes=...) traces it at {2 * per} rows (a sample "
+            f"has {per}) to tell which draws follow the rows, but it fails there: {err}. Write the loss for any "
+            "number of rows (shapes from its inputs)."
+        ) from err
     plan = {}
-    _plan(closed.jaxpr, trace(2 * per).jaxpr, per, plan)
+    _plan(closed.jaxpr, twice.jaxpr, per, plan)
     if not plan:
         return None
 
