@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_adascale._interpret import Interpreter, subjaxprs
+from optax_adascale._interpret import Interpreter, subjaxprs, weak
 
 _ANNOTATIONS = ("reshard", "sharding_constraint", "mesh_cast")
 
@@ -64,15 +64,14 @@ def rewrite(loss_fn, params, batch, per, data_axes, mesh, explicit):
         if shapes not in traced:
             if explicit:
                 avals = [
-                    jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(shard_mesh, spec))
+                    jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(shard_mesh, spec), weak_type=weak(x))
                     for x, shape, spec in zip(leaves, shapes, specs, strict=True)
                 ]
                 with jax.sharding.use_abstract_mesh(shard_mesh):
                     traced[shapes] = jax.make_jaxpr(flat_loss)(*avals)
             else:
-                traced[shapes] = jax.make_jaxpr(flat_loss)(
-                    *(jax.ShapeDtypeStruct(s, x.dtype) for x, s in zip(leaves, shapes))
-                )
+                avals = [jax.ShapeDtypeStruct(s, x.dtype, weak_type=weak(x)) for x, s in zip(leaves, shapes)]
+                traced[shapes] = jax.make_jaxpr(flat_loss)(*avals)
         return traced[shapes]
 
     sample = tuple(jnp.shape(x) for x in param_leaves) + tuple(

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale._interpret import Interpreter, subjaxprs
+from optax_adascale._interpret import Interpreter, subjaxprs, weak
 
 _DRAWS = ("random_bits", "random_split")
 _U32 = jnp.uint32
@@ -50,7 +50,7 @@ def rewrite(loss_fn, param_leaves, treedef, batch_shapes, per, n):
 
     def trace(rows):
         shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows,) + s.shape[1:], s.dtype), batch_shapes)
-        params = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p), weak_type=_weak(p)) for p in param_leaves]
+        params = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p), weak_type=weak(p)) for p in param_leaves]
         return jax.make_jaxpr(flat_loss)(*params, *jax.tree.leaves(shapes))
 
     closed = trace(per)
@@ -77,13 +77,6 @@ def rewrite(loss_fn, param_leaves, treedef, batch_shapes, per, n):
         return out_tree[0].unflatten(flat)
 
     return loss
-
-
-def _weak(x):
-    try:
-        return bool(jax.typeof(x).weak_type)
-    except (AttributeError, TypeError):
-        return False
 
 
 def _has_draws(jaxpr):

@@ -182,8 +182,9 @@ def value_and_grad(
         explicit = tuple(
             a for a, t in zip(the_mesh.axis_names, the_mesh.axis_types, strict=True) if "Explicit" in str(t)
         )
-        n = math.prod(the_mesh.shape[a] for a in names) * k
-        per = _batch_rows(batch, n, 1) // n
+        shards = math.prod(the_mesh.shape[a] for a in names)
+        n = shards * k
+        per = _batch_rows(batch, shards, k) // n
         # Shardings named in the loss (out_sharding=, reshard, constraints): data axes dropped (_explicit_loss).
         loss, not_explicit = _explicit_loss.rewrite(loss_fn, params, batch, per, names, the_mesh, bool(explicit))
         loss = loss or loss_fn

@@ -5,8 +5,8 @@ loss written for the global batch do not survive that as they are, and both are 
 jaxpr (``jax.make_jaxpr``), re-evaluated here under the sample's ``vmap`` / ``scan``:
 
 - random draws shaped by the rows (``_global_draws``): each sample must get its rows of the global draw;
-- sharding annotations on an Explicit mesh (``_explicit_loss``): specs naming the data axes, which the
-  sample's computation cannot honour (the vmapped dimension carries them).
+- sharding annotations (``_explicit_loss``): specs naming the data axes, which the sample's computation
+  cannot honour (the vmapped dimension carries them), and on an Explicit mesh any ``out_sharding=``.
 
 :class:`Interpreter` binds every equation as traced, except those :meth:`~Interpreter.rewrites` selects:
 a first-order one goes to :meth:`~Interpreter.leaf`; a ``jit`` is inlined, and ``scan``, ``while``,
@@ -16,8 +16,6 @@ a first-order one goes to :meth:`~Interpreter.leaf`; a ``jit`` is inlined, and `
 
 import jax
 from jax import lax
-
-CALLS = ("jit", "pjit", "scan", "while", "cond", "checkpoint")
 
 
 def subjaxprs(eqn):
@@ -33,10 +31,12 @@ def subjaxprs(eqn):
     return out
 
 
-def is_call(eqn):
-    """A higher-order equation this interpreter re-makes around its re-evaluated body."""
-    name = eqn.primitive.name
-    return name in CALLS or name.startswith("remat")
+def weak(x):
+    """Whether ``x`` is weakly typed (a Python scalar's type), for tracing the loss with its arguments' avals."""
+    try:
+        return bool(jax.typeof(x).weak_type)
+    except (AttributeError, TypeError):
+        return False
 
 
 class Interpreter:
