@@ -29,9 +29,14 @@ keeps everything in global semantics and lets the SPMD partitioner place it:
   whole stacked leaf is what a leaf-level probe sees;
 - Explicit mesh axes (``jax.make_mesh``'s default): the computation runs under
   ``jax.sharding.auto_axes`` (Auto inside); ``grads`` come back with the
-  parameters' shardings.
+  parameters' shardings;
+- two rewrites of the loss's jaxpr make a loss written for the global batch
+  right on one sample's rows: shardings it names lose their data axes
+  (``_explicit_loss``), and random draws shaped by the rows become the sample's
+  slice of the global draw (``_global_draws``).
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale import _checks, _microbatch, _scan_probes
+from optax_adascale import _checks, _explicit_loss, _global_draws, _microbatch, _scan_probes
 from optax_adascale._collect import STAT_DTYPE, compute_dtype, leaf_sq_norm, low_precision
 from optax_adascale._microbatch import MicrobatchStats
 
@@ -90,18 +95,19 @@ def value_and_grad(
       sample (per-example outputs) come back in the global batch's row order;
       every other floating leaf is averaged over the ``n`` samples (equal to the
       global call for batch means); other leaves are the first sample's.
-    - Random draws inside the loss are made per sample: a key closed over or
-      passed unbatched gives every shard the *same* draws (of its
-      ``B/n`` rows). Pass randomness per row in the batch (one key per example)
-      to match the global call.
+    - Random draws inside the loss are the global call's: a draw shaped by the
+      rows (a dropout mask from a key closed over, or passed as a scalar batch
+      argument — scalar leaves go to every sample as they are) gives each sample
+      its rows of the global draw (partitionable threefry, JAX's default; a
+      ``ValueError`` for ``rbg`` keys or with it off). Other draws are unchanged.
     - Parameters may be replicated, split over model axes (TP), over the data
       axes (FSDP) or both: the partitioner keeps their shardings; statistics are
       computed in float32 for bfloat16 parameters. Stacked layers applied with
       ``lax.scan`` (with or without ``jax.checkpoint``) are probed layer by layer.
-    - Meshes with Auto or Explicit axes. On an Explicit mesh the loss runs with
-      the axes Auto, so it must not name mesh axes in ``out_sharding=``
-      (``ValueError`` saying so); sharding constraints in the loss must not name
-      the data axes on either kind of mesh.
+    - Meshes with Auto or Explicit axes. A loss may name shardings the Explicit
+      way (``out_sharding=``, ``reshard``, constraints, with the batch axis among
+      them) or constrain the batch axis on an Auto mesh: the data axes are
+      dropped from its shardings, the model axes kept (``docs/gspmd.md``).
 
     **Your own micro-batch loop** (MaxText's scan, Levanter's ``microbatched``):
     the simplest is ``num_microbatches=k``, which reduces once per step. To keep
@@ -123,7 +129,8 @@ def value_and_grad(
 
     Args:
       loss_fn: ``loss_fn(params, *batch) -> loss`` (or ``(loss, aux)``); every
-        leaf of ``batch`` has the batch as its leading dimension.
+        leaf of ``batch`` but scalars (a PRNG key) has the batch as its leading
+        dimension.
       data_axes: mesh axis name(s) the batch is sharded over, or ``None``.
       num_microbatches: ``k ≥ 1`` micro-batches per shard (per replica).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
@@ -138,9 +145,10 @@ def value_and_grad(
     Raises:
       ValueError: the batch is not divisible by shards × k; ``data_axes`` not in
         the mesh; no mesh set; ``data_axes=None`` under a jit over a
-        multi-device mesh with no replica axis bound; a loss constraining an
-        array over the data axes, or naming axes in ``out_sharding=`` on an
-        Explicit mesh.
+        multi-device mesh with no replica axis bound; a loss naming axes in
+        ``out_sharding=`` that does not trace the Explicit way on one shard's
+        rows; a row-shaped random draw that cannot be sliced (``rbg`` key,
+        threefry not partitionable, inside a ``custom_vjp``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax_adascale
@@ -174,43 +182,59 @@ def value_and_grad(
         explicit = tuple(
             a for a, t in zip(the_mesh.axis_names, the_mesh.axis_types, strict=True) if "Explicit" in str(t)
         )
+        shards = math.prod(the_mesh.shape[a] for a in names)
+        n = shards * k
+        per = _batch_rows(batch, shards, k) // n
+        # Shardings named in the loss (out_sharding=, reshard, constraints): data axes dropped (_explicit_loss).
+        loss, not_explicit = _explicit_loss.rewrite(loss_fn, params, batch, per, names, the_mesh, bool(explicit))
+        loss = loss or loss_fn
         if explicit:
-            n = math.prod(the_mesh.shape[a] for a in names) * k
             aux_specs = None
             if has_aux:  # per-example leaves come back split like the batch, the rest replicated
-                per = _batch_rows(batch, n, 1) // n
-                shard_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:], x.dtype), batch)
+                shard_shapes = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:] if jnp.ndim(x) else (), x.dtype), batch
+                )
                 param_shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-                aux = jax.eval_shape(lambda p, b: loss_fn(p, *b)[1], param_shapes, shard_shapes)
+                sizes = tuple(the_mesh.shape[a] for a in the_mesh.axis_names)
+                auto = (jax.sharding.AxisType.Auto,) * len(sizes)  # as the loss runs: under auto_axes
+                with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(sizes, the_mesh.axis_names, auto)):
+                    aux = jax.eval_shape(lambda p, b: loss(p, *b)[1], param_shapes, shard_shapes)
                 spec = jax.sharding.PartitionSpec(names if len(names) > 1 else names[0])
                 aux_specs = jax.tree.map(
                     lambda a: spec if len(a.shape) >= 1 and a.shape[0] == per else jax.sharding.PartitionSpec(), aux
                 )
-            return _on_explicit_mesh(auto_fn, the_mesh, explicit, n, aux_specs, params, batch)
-        return auto_fn(params, *batch)
+            explicit_fn = functools.partial(auto_fn, loss)
+            return _on_explicit_mesh(explicit_fn, the_mesh, explicit, n, aux_specs, params, batch, not_explicit)
+        return auto_fn(loss, params, *batch)
 
-    def auto_fn(params, *batch):
+    def auto_fn(loss, params, *batch):
         the_mesh = _resolve_mesh(mesh, names)
         shards = math.prod(the_mesh.shape[a] for a in names)
         spmd = names[0] if len(names) == 1 else names
         n = shards * k
+        loss, batch = _close_over_scalars(loss, batch)
         rows = _batch_rows(batch, shards, k)
         per = rows // n
+        leaves, treedef = jax.tree.flatten(params)
+        sample_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:], x.dtype), batch)
+        global_draws = _global_draws.rewrite(loss, leaves, treedef, sample_shapes, per, n)
+        if global_draws is not None:  # the rewritten loss reads its sample from the rows' global numbers
+            loss, batch = global_draws, (*batch, jnp.arange(rows, dtype=jnp.int32))
         split = jax.tree.map(lambda x: x.reshape((shards, k, per) + x.shape[1:]), batch)
         try:
             if k == 1:
-                value, aux, grads, sq = _probed(loss_fn, has_aux, spmd, params, split, n)
+                value, aux, grads, sq = _probed(loss, has_aux, spmd, params, split, n)
             else:
                 other = math.prod(size for a, size in the_mesh.shape.items() if a not in names)
-                value, aux, grads, sq = _scanned(loss_fn, has_aux, spmd, params, split, n, unroll, other)
+                value, aux, grads, sq = _scanned(loss, has_aux, spmd, params, split, n, unroll, other)
         except ValueError as err:
             if "spmd_axis_name" not in str(err):
                 raise
             raise ValueError(
-                f"loss_fn constrains an array's sharding over the data axes {names}: value_and_grad(data_axes=...) "
-                "evaluates loss_fn on one data shard's rows at a time, so a with_sharding_constraint (or "
-                "out_sharding) naming a data axis cannot be honoured. Drop the data axes from the loss's "
-                "constraints (keep the model axes, e.g. P(None, 'model')); the batch stays sharded over them."
+                f"loss_fn constrains an array's sharding over the data axes {names} inside a jax.custom_jvp or "
+                "jax.custom_vjp function: value_and_grad(data_axes=...) evaluates loss_fn on one data shard's rows "
+                "at a time and drops the data axes from the loss's shardings, but not inside those. Drop the data "
+                "axes there (keep the model axes, e.g. P(None, 'model')); the batch stays sharded over them."
             ) from err
         stats = MicrobatchStats(sq, n)
         if has_aux:
@@ -220,11 +244,12 @@ def value_and_grad(
     return fn
 
 
-def _on_explicit_mesh(auto_fn, mesh, explicit, n, aux_specs, params, batch):
+def _on_explicit_mesh(auto_fn, mesh, explicit, n, aux_specs, params, batch, not_explicit=None):
     """Explicit mesh axes: the computation runs with them Auto inside (``jax.sharding.auto_axes``).
 
     The outputs come back Explicit: ``grads`` sharded like ``params`` (their types carry the specs),
     the value and statistics replicated, per-example ``aux`` leaves split like the batch.
+    ``not_explicit``: why the loss's shardings could not be read the Explicit way (for the error).
     """
     from jax.sharding import PartitionSpec as P
 
@@ -239,12 +264,17 @@ def _on_explicit_mesh(auto_fn, mesh, explicit, n, aux_specs, params, batch):
     except ValueError as err:
         if "type Auto" not in str(err):
             raise
+        where = (
+            f"it does not trace the Explicit way on one data shard's rows ({not_explicit})"
+            if not_explicit is not None
+            else "inside a jax.custom_jvp / jax.custom_vjp function, where value_and_grad cannot rewrite them"
+        )
         raise ValueError(
-            f"loss_fn names the Explicit mesh axes {explicit} in an out_sharding= (or reshard): on an Explicit "
-            "mesh value_and_grad(data_axes=...) runs loss_fn with those axes Auto (jax.sharding.auto_axes), one "
-            "data shard's rows at a time, where JAX refuses such specs. Drop out_sharding= from the loss's "
-            "operations (the partitioner places them from the parameters' and batch's shardings), or build the "
-            f"mesh with axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)}."
+            f"loss_fn names the Explicit mesh axes {explicit} in an out_sharding= (or reshard), but {where}; "
+            "value_and_grad(data_axes=...) then runs it with the axes Auto (jax.sharding.auto_axes), where JAX "
+            "refuses such specs. Make loss_fn valid on the Explicit mesh for one shard's rows, or drop "
+            "out_sharding= from its operations, or build the mesh with "
+            f"axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)}."
         ) from err
 
 
@@ -424,15 +454,29 @@ def _resolve_mesh(mesh, names):
     return mesh
 
 
+def _close_over_scalars(loss_fn, batch):
+    """Scalar leaves of the batch (a PRNG key, a step number) go to every sample as they are: closed over."""
+    leaves, tree = jax.tree.flatten(batch)
+    scalars = {i: x for i, x in enumerate(leaves) if not jnp.ndim(x)}
+    if not scalars:
+        return loss_fn, batch
+
+    def loss(params, *rows):
+        it = iter(rows)
+        return loss_fn(params, *tree.unflatten([scalars[i] if i in scalars else next(it) for i in range(len(leaves))]))
+
+    return loss, [x for i, x in enumerate(leaves) if i not in scalars]
+
+
 def _batch_rows(batch, shards, k):
-    leaves = jax.tree.leaves(batch)
+    leaves = [x for x in jax.tree.leaves(batch) if jnp.ndim(x)]  # scalars go to every sample unchanged
     if not leaves:
         raise ValueError("value_and_grad(data_axes=...) needs a batch: call fn(params, *batch)")
-    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
-    if None in sizes or len(sizes) != 1:
+    sizes = {jnp.shape(x)[0] for x in leaves}
+    if len(sizes) != 1:
         raise ValueError(
-            "every leaf of the batch must have the batch as its leading dimension, got leading sizes "
-            f"{sorted(s for s in sizes if s is not None)}{' and a scalar' if None in sizes else ''}"
+            f"every leaf of the batch but scalars must have the batch as its leading dimension, got leading "
+            f"sizes {sorted(sizes)}"
         )
     rows = sizes.pop()
     if rows % (shards * k):

@@ -91,10 +91,10 @@ def state_shardings(tx, params, mesh, specs, data_axes="data"):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs)
 
 
-def global_run(mesh, specs, data_axes, k, dtype=jnp.float32):
+def global_run(mesh, specs, data_axes, k, dtype=jnp.float32, loss=loss_fn):
     """The user's step: one jit over the global batch, the drop-in, a tx without axis_name."""
     tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9)
-    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes=data_axes, num_microbatches=k)
+    grad_fn = optax_adascale.value_and_grad(loss, data_axes=data_axes, num_microbatches=k)
     p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     params = jax.device_put(init_params(dtype), p_sh)
     s_sh = state_shardings(tx, params, mesh, specs, data_axes)
@@ -209,21 +209,118 @@ def test_has_aux_is_as_from_the_global_call():
         np.testing.assert_allclose(aux["accuracy"], ref_aux["accuracy"], rtol=1e-6)
 
 
-def test_random_draws_inside_the_loss_repeat_per_shard():
-    """What holds (documented): a key closed over gives every shard the same draws of its rows."""
+DROP = 0.7
+
+
+def dropout_loss(params, x, y, mask, noise):
+    """The loss with its random draws as inputs: the truth the drop-in's draws are held to."""
+    h = jnp.where(mask, jnp.tanh(x @ params["w1"] + params["b1"]) / DROP, 0.0)
+    return optax.softmax_cross_entropy_with_integer_labels(h @ (params["w2"] + noise), y).mean()
+
+
+def draws(key, rows):
+    """A dropout mask shaped by the rows and a noise of w2's shape (not shaped by the rows)."""
+    k_mask, k_noise = jax.random.split(key)
+    return jax.random.bernoulli(k_mask, DROP, (rows, HIDDEN)), 0.01 * jax.random.normal(k_noise, (HIDDEN, CLASSES))
+
+
+def random_loss(params, x, y, key):
+    """Dropout from a key passed unbatched (a scalar batch leaf), split inside the loss."""
+    return dropout_loss(params, x, y, *draws(key, x.shape[0]))
+
+
+@pytest.mark.parametrize(("axis_type", "k"), [(AxisType.Auto, 1), (AxisType.Auto, 2), (AxisType.Explicit, 1)])
+def test_random_draws_inside_the_loss_are_the_global_calls(axis_type, k):
+    """A key passed unbatched: each sample gets its rows of the global call's dropout mask (not a mask of
+    its own repeated per shard), and the same parameter-shaped noise. Value and grads equal the global
+    call's; the statistics are those of the samples' gradients under the global mask."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    x, y = (b[0][:32] for b in batches())
     key = jax.random.key(3)
-
-    def noisy_loss(w, x):
-        return jnp.mean(jax.random.normal(key, x.shape) * x * w)
-
-    mesh = auto_mesh()
-    x = jnp.ones((8, 2))
-    fn = jax.jit(optax_adascale.value_and_grad(noisy_loss, data_axes="data"))
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], x, y)
+    fn = jax.jit(optax_adascale.value_and_grad(random_loss, data_axes="data", num_microbatches=k))
     with jax.set_mesh(mesh):
-        _, grads, stats = fn(jnp.float32(1.0), jax.device_put(x, NamedSharding(mesh, P("data"))))
-    per_shard = jax.grad(noisy_loss)(jnp.float32(1.0), x[:2])
-    np.testing.assert_allclose(grads, per_shard, rtol=1e-6)  # four identical samples
-    np.testing.assert_allclose(stats.sq_norms, per_shard**2, rtol=1e-6)
+        value, grads, stats = fn(params, xs, ys, key)
+    ref_value, ref_grads = random_reference()
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), stats.sq_norms, dropout_stats(k))
+
+
+@functools.cache
+def random_reference(rows=32):
+    x, y = (b[0][:rows] for b in batches())
+    return jax.jit(jax.value_and_grad(random_loss))(init_params(), x, y, jax.random.key(3))
+
+
+@functools.cache
+def dropout_stats(k, n_shards=4, rows=32):
+    """Per leaf, the mean over the n samples of ‖g_i‖², sample i holding its rows of the global mask."""
+    n = n_shards * k
+    x, y = (b[0][:rows] for b in batches())
+    mask, noise = draws(jax.random.key(3), rows)
+    assert not np.array_equal(mask[: rows // n], mask[rows // n : 2 * rows // n]), "samples' masks must differ"
+    per_sample = jax.jit(jax.vmap(jax.grad(dropout_loss), in_axes=(None, 0, 0, 0, None)))
+    split = (a.reshape((n, -1) + a.shape[1:]) for a in (x, y, mask))
+    grads = per_sample(init_params(), *split, noise)
+    return jax.tree.map(lambda g: jnp.mean(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))), grads)
+
+
+@pytest.mark.parametrize(("axis_type", "k"), [(AxisType.Explicit, 2)])
+def test_flax_dropout_inside_the_loss_is_the_global_calls(axis_type, k):
+    """Flax nn.Dropout in an nn.Module applied with rngs={"dropout": key} (a key closed over)."""
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dropout(0.3, deterministic=False)(jnp.tanh(nn.Dense(HIDDEN)(x)))
+            return nn.Dense(CLASSES)(h)
+
+    model, key = MLP(), jax.random.key(4)
+    x, y = (b[0][:32] for b in batches())
+    variables = model.init(jax.random.key(0), x)
+
+    def loss(variables, x, y):
+        logits = model.apply(variables, x, rngs={"dropout": key})
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    ref = jax.jit(jax.value_and_grad(loss))(variables, x, y)
+    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k))
+    with jax.set_mesh(mesh):
+        ours = fn(variables, *(jax.device_put(b, NamedSharding(mesh, P("data"))) for b in (x, y)))[:2]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, ref)
+
+
+def test_random_draws_inside_stacked_layers_are_the_global_calls():
+    """Dropout per layer (fold_in of the layer index) inside a scanned, checkpointed stack (probed per layer)."""
+
+    def loss(params, x, y, key):
+        def layer(h, wi):
+            w, i = wi
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.8, h.shape)
+            return h + jnp.where(keep, jnp.tanh(h @ w), 0.0), None
+
+        h = jax.lax.scan(jax.checkpoint(layer), x, (params["layers"]["w"], jnp.arange(3)))[0]
+        return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], y).mean()
+
+    mesh, key = auto_mesh(), jax.random.key(5)
+    x, y = (b[0][:32] for b in batches())
+    params = stacked_params()
+    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))
+    with jax.set_mesh(mesh):
+        ours = fn(params, *(jax.device_put(b, NamedSharding(mesh, P("data"))) for b in (x, y)), key)[:2]
+    ref = jax.jit(jax.value_and_grad(loss))(params, x, y, key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, ref)
+
+
+def test_row_shaped_draw_from_an_rbg_key_raises_our_error():
+    mesh = auto_mesh()
+    x, y = (b[0][:32] for b in batches())
+    fn = jax.jit(optax_adascale.value_and_grad(random_loss, data_axes="data"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"implementation 'rbg'.*threefry2x32"):
+        fn(init_params(), x, y, jax.random.key(3, impl="rbg"))
 
 
 # --------------------------------------------------------------------------- per replica (data_axes=None)
@@ -340,16 +437,22 @@ def test_state_shardings_follow_the_params_and_survive_an_orbax_round_trip(tmp_p
     assert_trees_equal(resumed, (params, opt_state))
 
 
-def test_loss_constraining_the_batch_axis_raises_our_error():
+def test_loss_constraining_the_batch_axis_on_an_auto_mesh_is_the_global_call():
+    """with_sharding_constraint naming the data axis (it used to raise): the data axes are dropped from the
+    constraint (the vmapped dimension carries them), the model axes kept; value and grads are the global call's."""
+
     def constrained(params, x, y):
         h = jax.lax.with_sharding_constraint(jnp.tanh(x @ params["w1"] + params["b1"]), P("data", "model"))
         return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
 
-    x, y = (b[0] for b in batches())
-    for k in (1, 2):
-        fn = jax.jit(optax_adascale.value_and_grad(constrained, data_axes="data", num_microbatches=k))
-        with jax.set_mesh(auto_mesh()), pytest.raises(ValueError, match=r"constrains.*data axes.*P\(None, 'model'\)"):
-            fn(init_params(), x, y)
+    mesh = auto_mesh()
+    x, y = (b[0][:32] for b in batches())
+    params, (xs, ys) = place(mesh, LAYOUTS["TPxFSDP"], x, y)
+    ref = jax.jit(jax.value_and_grad(loss_fn))(init_params(), x, y)
+    fn = jax.jit(optax_adascale.value_and_grad(constrained, data_axes="data"))
+    with jax.set_mesh(mesh):
+        ours = fn(params, xs, ys)[:2]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, ref)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -398,17 +501,55 @@ def test_explicit_mesh_passed_as_mesh_keyword():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), (value, grads), ref)
 
 
-def test_explicit_mesh_loss_with_out_sharding_raises_our_error():
-    """A loss written the Explicit way (out_sharding= naming the batch axis) is refused with a way out."""
+def explicit_way_loss(params, x, y):
+    """loss_fn written the Explicit way, as MaxText and Flax's lm1b write theirs: parameters resharded for use,
+    out_sharding= naming the batch and model axes, a constraint on the activations."""
+    w1 = jax.sharding.reshard(params["w1"], P(None, "model"))
+    b1, w2 = jax.sharding.reshard(params["b1"], P("model")), jax.sharding.reshard(params["w2"], P("model", None))
+    h = jnp.tanh(jnp.einsum("bd,dh->bh", x, w1, out_sharding=P("data", "model")) + b1)
+    h = jax.lax.with_sharding_constraint(h, P("data", "model"))
+    logits = jnp.einsum("bh,hc->bc", h, w2, out_sharding=P("data", None))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    def tp_loss(params, x, y):
-        h = jnp.tanh(jnp.matmul(x, params["w1"], out_sharding=P("data", "model")) + params["b1"])
+
+@pytest.mark.parametrize(("layout", "k"), [("TP", 1), ("TPxFSDP", 2)])
+def test_explicit_way_loss_run_equals_replicated_run(layout, k):
+    """On jax.make_mesh's Explicit mesh, a loss naming the batch axis in out_sharding= / reshard / constraints
+    (it used to raise): the same run as the replicated one."""
+    ours = global_run(jax.make_mesh((4, 2), ("data", "model")), LAYOUTS[layout], "data", k, loss=explicit_way_loss)
+    assert_same_run(ours, replicated_run(4, k), rtol=1e-5)
+
+
+def test_explicit_way_loss_with_dropout_is_the_global_call():
+    """Both rewrites at once (Explicit mesh, k = 2): shardings naming the batch axis and a row-shaped dropout
+    mask from a key passed unbatched; value and grads equal jax.value_and_grad of the same loss on that mesh."""
+
+    def loss(params, x, y, key):
+        h = jnp.tanh(jnp.einsum("bd,dh->bh", x, params["w1"], out_sharding=P("data", "model")) + params["b1"])
+        h = jnp.where(jax.random.bernoulli(key, DROP, h.shape), h / DROP, 0.0)
+        logits = jnp.einsum("bh,hc->bc", h, params["w2"], out_sharding=P("data", None))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    mesh, key = jax.make_mesh((4, 2), ("data", "model")), jax.random.key(3)
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], *(b[0][:32] for b in batches()))
+    with jax.set_mesh(mesh):
+        ref = jax.jit(jax.value_and_grad(loss))(params, xs, ys, key)
+        ours = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=2))(params, xs, ys, key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours[:2], ref)
+
+
+def test_explicit_mesh_loss_not_valid_the_explicit_way_raises_our_error():
+    """out_sharding= on one matmul, the next contracting model-sharded dimensions without one (JAX refuses it
+    on an Explicit mesh, for the global call too): our error names the cause and the ways out."""
+
+    def half_explicit(params, x, y):
+        h = jnp.tanh(jnp.einsum("bd,dh->bh", x, params["w1"], out_sharding=P("data", "model")) + params["b1"])
         return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    params, (xs, ys) = place(mesh, LAYOUTS["TP"], *(b[0] for b in batches()))
-    fn = jax.jit(optax_adascale.value_and_grad(tp_loss, data_axes="data"))
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"out_sharding=.*Drop out_sharding=.*AxisType\.Auto"):
+    params, (xs, ys) = place(mesh, LAYOUTS["TP"], *(b[0][:32] for b in batches()))
+    fn = jax.jit(optax_adascale.value_and_grad(half_explicit, data_axes="data"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"out_sharding=.*Contracting dimensions.*AxisType\.Auto"):
         fn(params, xs, ys)
 
 

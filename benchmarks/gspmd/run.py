@@ -17,6 +17,7 @@ memory (``compiled.memory_analysis()``: arguments + outputs + temporaries). No t
     python -m benchmarks.gspmd.run --loops         # also: hand-written micro-batch loops (docs/gspmd.md)
     python -m benchmarks.gspmd.run --stacked       # scanned layers (lax.scan + jax.checkpoint) under FSDP
     python -m benchmarks.gspmd.run --explicit      # the drop-in on an Explicit mesh
+    python -m benchmarks.gspmd.run --explicit-loss # both on an Explicit mesh, the loss with out_sharding=
     python -m benchmarks.gspmd.run --json out.json
 """
 
@@ -60,12 +61,31 @@ def mlp(d: int, h: int):
     return params, loss
 
 
-def compile_steps(layout: str, *, d: int, h: int, rows: int, k: int = 1, explicit: bool = False):
+def explicit_mlp(d: int, h: int):
+    """The MLP written the Explicit way: parameters resharded for use, ``out_sharding=`` naming the batch axis."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    from jax.sharding import reshard
+
+    params, _ = mlp(d, h)
+
+    def loss(p, x, y):
+        w1, b1, w2 = reshard(p["w1"], P(None, "model")), reshard(p["b1"], P("model")), reshard(p["w2"], P("model"))
+        hidden = jnp.tanh(jnp.einsum("bd,dh->bh", x, w1, out_sharding=P("data", "model")) + b1)
+        return jnp.mean((jnp.einsum("bh,hd->bd", hidden, w2, out_sharding=P("data", None)) - y) ** 2)
+
+    return params, loss
+
+
+def compile_steps(
+    layout: str, *, d: int, h: int, rows: int, k: int = 1, explicit: bool = False, explicit_loss: bool = False
+):
     """The compiled drop-in step and baseline step: ``(ours, base)``.
 
     ``explicit``: the drop-in's step on a mesh with Explicit axes (``jax.make_mesh``'s default); the
     baseline stays on Auto axes (the same loss under ``jax.value_and_grad`` on an Explicit mesh would
     need ``out_sharding=`` on its TP matmuls). The devices and shardings are the same.
+    ``explicit_loss``: both steps on the Explicit mesh, the loss written the Explicit way (:func:`explicit_mlp`).
     """
     import jax
     import numpy as np
@@ -76,11 +96,11 @@ def compile_steps(layout: str, *, d: int, h: int, rows: int, k: int = 1, explici
     import optax_adascale
 
     auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    params, loss = mlp(d, h)
+    params, loss = explicit_mlp(d, h) if explicit_loss else mlp(d, h)
     grad_fn = optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k)
     compiled = []
     for tx, ours in ((optax_adascale.adascale_sgd(0.1, momentum=0.9), True), (optax.sgd(0.1, momentum=0.9), False)):
-        mesh = jax.make_mesh((4, 2), ("data", "model")) if ours and explicit else auto
+        mesh = jax.make_mesh((4, 2), ("data", "model")) if (ours and explicit) or explicit_loss else auto
         p_sh = jax.tree.map(lambda s, mesh=mesh: NamedSharding(mesh, s), param_specs(layout))
         x = jax.ShapeDtypeStruct((rows, d), np.float32, sharding=NamedSharding(mesh, P("data")))
         state = jax.eval_shape(tx.init, params)
@@ -346,11 +366,15 @@ def measure_stacked(*, d: int = 512, layers: int = 8, rows: int = 4096) -> dict:
     }
 
 
-def measure(*, d: int, h: int, rows: int, ks=(1, 2), layouts=LAYOUTS, explicit: bool = False) -> list[dict]:
+def measure(
+    *, d: int, h: int, rows: int, ks=(1, 2), layouts=LAYOUTS, explicit: bool = False, explicit_loss: bool = False
+) -> list[dict]:
     results = []
     for k in ks:
         for layout in layouts:
-            ours, base, data_of = compile_steps(layout, d=d, h=h, rows=rows, k=k, explicit=explicit)
+            ours, base, data_of = compile_steps(
+                layout, d=d, h=h, rows=rows, k=k, explicit=explicit, explicit_loss=explicit_loss
+            )
             o, b = facts(ours, data_of), facts(base, data_of)
             results.append(
                 {
@@ -423,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the drop-in on an Explicit mesh (jax.make_mesh's default); SGD stays on Auto axes",
     )
     parser.add_argument(
+        "--explicit-loss",
+        action="store_true",
+        help="the MLP written the Explicit way (out_sharding= naming the batch axis); both steps on an Explicit mesh",
+    )
+    parser.add_argument(
         "--stacked",
         action="store_true",
         help="only the stacked (scanned, remat) layers under FSDP: 8 × 512 → 512, 4096 rows",
@@ -443,8 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     d, h, rows = (16, 32, 64) if args.smoke else (int(v) for v in args.shape.split(","))
     ks = tuple(int(v) for v in args.ks.split(","))
-    results = measure(d=d, h=h, rows=rows, ks=ks, layouts=tuple(args.layouts.split(",")), explicit=args.explicit)
+    layouts = tuple(args.layouts.split(","))
+    results = measure(
+        d=d, h=h, rows=rows, ks=ks, layouts=layouts, explicit=args.explicit, explicit_loss=args.explicit_loss
+    )
     kind = "Explicit (drop-in) / Auto (SGD)" if args.explicit else "Auto"
+    kind = "Explicit, loss written the Explicit way," if args.explicit_loss else kind
     print(f"jax {jax.__version__}, (data 4 × model 2) {kind} mesh, MLP {d}→{h}→{d}, {rows} rows")
     print(table(results))
     if args.loops:
