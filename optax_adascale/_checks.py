@@ -308,3 +308,104 @@ def probe_inner(inner: optax.GradientTransformationExtraArgs, params: Any) -> No
             "optax.trace(0.9) for momentum SGD, optax.identity(), or optax.scale_by_adam() for Adam (or use "
             "optax_adascale.adascale_sgd / adascale_adamw)."
         )
+
+
+# --------------------------------------------------------------------------- value_and_grad: mesh and batch
+
+
+def data_axis_names(data_axes: Any) -> tuple[str, ...]:
+    """``data_axes`` as a tuple of axis names; a ``TypeError`` for anything else."""
+    names = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    if not names or not all(isinstance(a, str) for a in names):
+        raise TypeError(f"data_axes must be a mesh axis name or a tuple of names, got data_axes={data_axes!r}")
+    return names
+
+
+def legacy_mesh() -> Any:
+    """The mesh of the old ``with mesh:`` form (invisible to ``get_abstract_mesh``), or ``None``."""
+    try:
+        from jax._src import mesh as mesh_lib
+
+        physical = mesh_lib.thread_resources.env.physical_mesh
+        return None if physical.empty else physical
+    except Exception:  # noqa: BLE001 - internals moved: nothing to report
+        return None
+
+
+def resolve_mesh(mesh: Any, names: tuple[str, ...]) -> Any:
+    """``mesh``, else the one set by ``jax.set_mesh``; a ``ValueError`` if none, or if it lacks ``names``."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            legacy = legacy_mesh()
+            hint = (
+                " A `with mesh:` block is in effect: that old form is invisible here; use "
+                "`with jax.set_mesh(mesh):` instead."
+                if legacy is not None
+                else ""
+            )
+            raise ValueError(
+                f"value_and_grad(data_axes={names if len(names) > 1 else names[0]!r}) needs the mesh: call the step "
+                "under `with jax.set_mesh(mesh):` (or `jax.set_mesh(mesh)`), or pass "
+                f"optax_adascale.value_and_grad(..., mesh=mesh).{hint}"
+            )
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"data_axes={names if len(names) > 1 else names[0]!r}: {missing} not in the mesh, whose axes are "
+            f"{tuple(mesh.axis_names)}; name the axes the batch is sharded over."
+        )
+    return mesh
+
+
+def batch_rows(batch: Any, shards: int, k: int) -> int:
+    """The batch's rows (its leaves' common leading size), divisible by ``shards × k``."""
+    leaves = [x for x in jax.tree.leaves(batch) if jnp.ndim(x)]  # scalars go to every sample unchanged
+    if not leaves:
+        raise ValueError("value_and_grad(data_axes=...) needs a batch: call fn(params, *batch)")
+    sizes = {jnp.shape(x)[0] for x in leaves}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"every leaf of the batch but scalars must have the batch as its leading dimension, got leading "
+            f"sizes {sorted(sizes)}"
+        )
+    rows = sizes.pop()
+    if rows % (shards * k):
+        raise ValueError(
+            f"the batch has {rows} rows, not divisible by data shards × num_microbatches = {shards} × {k} = "
+            f"{shards * k}: each sample must have the same number of rows. Use a batch that is a multiple "
+            f"of {shards * k}."
+        )
+    return rows
+
+
+def check_replica_axis_bound(mesh: Any, tree: Any) -> None:
+    """``data_axes=None`` under a jit over a multi-device mesh with no replica axis bound: the user forgot data_axes."""
+    try:
+        from jax._src import core
+
+        if core.get_axis_env().axis_sizes:
+            return  # inside vmap/pmap/shard_map with named axes: per replica, as documented
+    except (ImportError, AttributeError):  # internals moved: stay silent rather than misfire
+        return
+    context = jax.sharding.get_abstract_mesh()
+    if getattr(context, "manual_axes", ()):
+        return
+    sizes = [] if mesh is None else [mesh.size]
+    if not context.empty:
+        sizes.append(context.size)
+    legacy = legacy_mesh()
+    if legacy is not None:
+        sizes.append(legacy.size)
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        leaf_mesh = getattr(sharding, "mesh", None)
+        if leaf_mesh is not None and not leaf_mesh.empty:
+            sizes.append(leaf_mesh.size)
+    if any(s > 1 for s in sizes):
+        raise ValueError(
+            "value_and_grad(data_axes=None) computes per-replica statistics, but no replica axis is bound "
+            f"here and the mesh has {max(sizes)} devices: under a jax.jit over the global batch the samples "
+            "would be only the micro-batches (n = num_microbatches). Pass data_axes= naming the mesh axes "
+            "the batch is sharded over (e.g. data_axes='data')."
+        )

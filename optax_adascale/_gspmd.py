@@ -165,26 +165,26 @@ def value_and_grad(
         per_replica = _microbatch.per_replica(loss_fn, num_microbatches, has_aux=has_aux, unroll=unroll)
 
         def replica_fn(params, *batch):
-            _check_replica_axis_bound(mesh, (params, batch))
+            _checks.check_replica_axis_bound(mesh, (params, batch))
             value, grads, stats = per_replica(params, *batch)
             if has_aux:  # aux stacked over the k micro-batches: combined as for the global batch
                 loss, aux = value
-                per = _batch_rows(batch, 1, num_microbatches) // num_microbatches
+                per = _checks.batch_rows(batch, 1, num_microbatches) // num_microbatches
                 value = (loss, _combine_aux(jax.tree.map(lambda a: a[None], aux), 1, num_microbatches, per))
             return value, grads, stats
 
         return replica_fn
-    names = _data_axis_names(data_axes)
+    names = _checks.data_axis_names(data_axes)
     k = num_microbatches
 
     def fn(params, *batch):
-        the_mesh = _resolve_mesh(mesh, names)
+        the_mesh = _checks.resolve_mesh(mesh, names)
         explicit = tuple(
             a for a, t in zip(the_mesh.axis_names, the_mesh.axis_types, strict=True) if "Explicit" in str(t)
         )
         shards = math.prod(the_mesh.shape[a] for a in names)
         n = shards * k
-        per = _batch_rows(batch, shards, k) // n
+        per = _checks.batch_rows(batch, shards, k) // n
         # Shardings named in the loss (out_sharding=, reshard, constraints): data axes dropped (_explicit_loss).
         loss, not_explicit = _explicit_loss.rewrite(loss_fn, params, batch, per, names, the_mesh, bool(explicit))
         loss = loss or loss_fn
@@ -208,12 +208,12 @@ def value_and_grad(
         return auto_fn(loss, params, *batch)
 
     def auto_fn(loss, params, *batch):
-        the_mesh = _resolve_mesh(mesh, names)
+        the_mesh = _checks.resolve_mesh(mesh, names)
         shards = math.prod(the_mesh.shape[a] for a in names)
         spmd = names[0] if len(names) == 1 else names
         n = shards * k
         loss, batch = _close_over_scalars(loss, batch)
-        rows = _batch_rows(batch, shards, k)
+        rows = _checks.batch_rows(batch, shards, k)
         per = rows // n
         leaves, treedef = jax.tree.flatten(params)
         sample_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((per,) + x.shape[1:], x.dtype), batch)
@@ -408,52 +408,6 @@ def _combine_aux(aux, shards, k, per):
     return jax.tree.map(combine, aux)
 
 
-# --------------------------------------------------------------------------- checks
-
-
-def _data_axis_names(data_axes):
-    names = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
-    if not names or not all(isinstance(a, str) for a in names):
-        raise TypeError(f"data_axes must be a mesh axis name or a tuple of names, got data_axes={data_axes!r}")
-    return names
-
-
-def _legacy_mesh():
-    """The mesh of the old ``with mesh:`` form (invisible to ``get_abstract_mesh``), or ``None``."""
-    try:
-        from jax._src import mesh as mesh_lib
-
-        physical = mesh_lib.thread_resources.env.physical_mesh
-        return None if physical.empty else physical
-    except Exception:  # noqa: BLE001 - internals moved: nothing to report
-        return None
-
-
-def _resolve_mesh(mesh, names):
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty:
-            legacy = _legacy_mesh()
-            hint = (
-                " A `with mesh:` block is in effect: that old form is invisible here; use "
-                "`with jax.set_mesh(mesh):` instead."
-                if legacy is not None
-                else ""
-            )
-            raise ValueError(
-                f"value_and_grad(data_axes={names if len(names) > 1 else names[0]!r}) needs the mesh: call the step "
-                "under `with jax.set_mesh(mesh):` (or `jax.set_mesh(mesh)`), or pass "
-                f"optax_adascale.value_and_grad(..., mesh=mesh).{hint}"
-            )
-    missing = [a for a in names if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(
-            f"data_axes={names if len(names) > 1 else names[0]!r}: {missing} not in the mesh, whose axes are "
-            f"{tuple(mesh.axis_names)}; name the axes the batch is sharded over."
-        )
-    return mesh
-
-
 def _close_over_scalars(loss_fn, batch):
     """Scalar leaves of the batch (a PRNG key, a step number) go to every sample as they are: closed over."""
     leaves, tree = jax.tree.flatten(batch)
@@ -466,55 +420,3 @@ def _close_over_scalars(loss_fn, batch):
         return loss_fn(params, *tree.unflatten([scalars[i] if i in scalars else next(it) for i in range(len(leaves))]))
 
     return loss, [x for i, x in enumerate(leaves) if i not in scalars]
-
-
-def _batch_rows(batch, shards, k):
-    leaves = [x for x in jax.tree.leaves(batch) if jnp.ndim(x)]  # scalars go to every sample unchanged
-    if not leaves:
-        raise ValueError("value_and_grad(data_axes=...) needs a batch: call fn(params, *batch)")
-    sizes = {jnp.shape(x)[0] for x in leaves}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"every leaf of the batch but scalars must have the batch as its leading dimension, got leading "
-            f"sizes {sorted(sizes)}"
-        )
-    rows = sizes.pop()
-    if rows % (shards * k):
-        raise ValueError(
-            f"the batch has {rows} rows, not divisible by data shards × num_microbatches = {shards} × {k} = "
-            f"{shards * k}: each sample must have the same number of rows. Use a batch that is a multiple "
-            f"of {shards * k}."
-        )
-    return rows
-
-
-def _check_replica_axis_bound(mesh, tree):
-    """``data_axes=None`` under a jit over a multi-device mesh with no replica axis bound: the user forgot data_axes."""
-    try:
-        from jax._src import core
-
-        if core.get_axis_env().axis_sizes:
-            return  # inside vmap/pmap/shard_map with named axes: per replica, as documented
-    except (ImportError, AttributeError):  # internals moved: stay silent rather than misfire
-        return
-    context = jax.sharding.get_abstract_mesh()
-    if getattr(context, "manual_axes", ()):
-        return
-    sizes = [] if mesh is None else [mesh.size]
-    if not context.empty:
-        sizes.append(context.size)
-    legacy = _legacy_mesh()
-    if legacy is not None:
-        sizes.append(legacy.size)
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(jax.typeof(leaf), "sharding", None)
-        leaf_mesh = getattr(sharding, "mesh", None)
-        if leaf_mesh is not None and not leaf_mesh.empty:
-            sizes.append(leaf_mesh.size)
-    if any(s > 1 for s in sizes):
-        raise ValueError(
-            "value_and_grad(data_axes=None) computes per-replica statistics, but no replica axis is bound "
-            f"here and the mesh has {max(sizes)} devices: under a jax.jit over the global batch the samples "
-            "would be only the micro-batches (n = num_microbatches). Pass data_axes= naming the mesh axes "
-            "the batch is sharded over (e.g. data_axes='data')."
-        )
