@@ -8,10 +8,13 @@ loss is a function of the **global** batch, the train step is **one** ``jax.jit`
 ``in_shardings``/``out_shardings``, and the SPMD partitioner places everything. No
 ``shard_map``, ``pmap``, ``vmap`` or reshaping of the batch in the user's code.
 
-* Mesh: ``jax.make_mesh((data, model), ("data", "model"), axis_types=(AxisType.Auto,) * 2)``.
-  ``optax_adascale.value_and_grad`` supports meshes with **Auto** axes only (JAX 0.10:
-  ``jax.make_mesh``'s default, Explicit axes, is refused with a ``ValueError``), so the axis
-  types are spelled out.
+* Mesh: ``jax.make_mesh((data, model), ("data", "model"))``, JAX's default **Explicit** axes.
+  The model is written the Explicit way, as MaxText and Flax's lm1b write theirs: the TP
+  matmuls name their output's sharding (``nnx.Linear(...)(x, out_sharding=P("data", None,
+  "model"))`` for the column-parallel ones, ``P("data")`` after the row-parallel ones and the
+  logits), the embedding gather names it (``.at[tokens].get(out_sharding=P("data"))``), the
+  FSDP-split position table is gathered with ``jax.sharding.reshard``. ``value_and_grad`` drops
+  the data axes from those shardings when it evaluates the loss one data shard at a time.
 * Parameters FSDP × TP (``nnx.with_partitioning``): attention's query/key/value and the
   MLP's first layer are ``("data", "model")`` (column-parallel over ``"model"``, their
   input dimension split over ``"data"``), the output projections ``("model", "data")``,
@@ -41,7 +44,8 @@ train step from the same step with plain ``optax.adamw`` is in ``docs/gspmd.md``
 region between the ``[diff]`` markers below is what it shows.
 
 A full run (T = 600) on 8 virtual CPU devices (2 shared CPU cores; wall times include
-compilation and depend on the load). ``python examples/gspmd_lm.py`` printed::
+compilation and depend on the load; these tables are from the same model on a mesh with Auto axes,
+before it was written the Explicit way, and were not re-run). ``python examples/gspmd_lm.py`` printed::
 
     Initial validation loss: 5.7315 nats/byte (log 256 = 5.5452)
       S  mesh  k batch iterations     tau mean gain train loss val loss wall (s)
@@ -85,7 +89,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
@@ -94,6 +98,7 @@ import datasets
 
 DATA, MODEL = "data", "model"  # mesh axes: the batch (and FSDP) axis, the tensor-parallel axis
 MODEL_SHARDS = 2
+ROWS, SPLIT = P(DATA), P(DATA, None, MODEL)  # activations (batch, position, feature): whole, or TP-split features
 NUM_DEVICES = 8
 VOCAB = 256  # bytes
 
@@ -165,8 +170,9 @@ def make_model(cfg: Config, seed: int):
         def __call__(self, x):
             b, n, d = x.shape
             heads = lambda t: t.reshape(b, n, cfg.heads, d // cfg.heads)  # the "model" split falls on heads
-            y = jax.nn.dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
-            return self.out(y.reshape(b, n, d))
+            q, k, v = (heads(f(x, out_sharding=SPLIT)) for f in (self.q, self.k, self.v))
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            return self.out(y.reshape(b, n, d), out_sharding=ROWS)
 
     class MLP(nnx.Module):
         def __init__(self, rngs):
@@ -174,7 +180,7 @@ def make_model(cfg: Config, seed: int):
             self.down = nnx.Linear(4 * cfg.width, cfg.width, **row, rngs=rngs)
 
         def __call__(self, x):
-            return self.down(nnx.gelu(self.up(x)))
+            return self.down(nnx.gelu(self.up(x, out_sharding=SPLIT)), out_sharding=ROWS)
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -193,10 +199,11 @@ def make_model(cfg: Config, seed: int):
             self.ln_f = nnx.LayerNorm(cfg.width, rngs=rngs)
 
         def __call__(self, tokens):
-            x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+            x = self.embed.embedding[...].at[tokens].get(out_sharding=ROWS)  # gathered rows split like the batch
+            x = x + reshard(self.pos[: tokens.shape[1]], P())  # the FSDP-split table gathered whole
             for block in self.blocks:
                 x = block(x)
-            return self.embed.attend(self.ln_f(x)) / math.sqrt(cfg.width)
+            return self.embed.attend(self.ln_f(x), out_sharding=ROWS) / math.sqrt(cfg.width)
 
     with nnx.use_eager_sharding(False):  # annotate only; placed once per mesh below
         return ByteLM(nnx.Rngs(seed))
@@ -272,9 +279,7 @@ def train(cfg: Config, corpus, *, optimizer: str, data: int, k: int, devices: li
 
     train_bytes, val_bytes = corpus
     scale = data * k
-    mesh = jax.make_mesh(
-        (data, MODEL_SHARDS), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2, devices=devices[: data * MODEL_SHARDS]
-    )
+    mesh = jax.make_mesh((data, MODEL_SHARDS), (DATA, MODEL), devices=devices[: data * MODEL_SHARDS])  # Explicit
     graphdef, params = nnx.split(make_model(cfg, seed), nnx.Param)  # the same initial weights at every S
     param_specs = nnx.get_partition_spec(params)
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs)
@@ -299,7 +304,7 @@ def train(cfg: Config, corpus, *, optimizer: str, data: int, k: int, devices: li
 
     iterations, tau, losses = 0, 0.0, []
     with jax.set_mesh(mesh):
-        val = jax.device_put(validation_windows(val_bytes, cfg), NamedSharding(mesh, P()))
+        val = jax.device_put(validation_windows(val_bytes, cfg), batch_sharding)
         initial_val = float(evaluate(params, val))
         start = time.perf_counter()
         with tqdm(
