@@ -48,11 +48,14 @@ def loss_fn(params, x, y):
 
 @functools.cache
 def batches(steps=STEPS, rows=ROWS):
-    kx, ky, kw = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(kx, (steps, rows, D_IN))
-    teacher = jax.random.normal(kw, (D_IN, CLASSES))
-    y = jnp.argmax(x @ teacher + 2.0 * jax.random.normal(ky, (steps, rows, CLASSES)), axis=-1)
-    return np.asarray(x), np.asarray(y)
+    @jax.jit  # one compilation, not one per eager op
+    def make():
+        kx, ky, kw = jax.random.split(jax.random.key(1), 3)
+        x = jax.random.normal(kx, (steps, rows, D_IN))
+        teacher = jax.random.normal(kw, (D_IN, CLASSES))
+        return x, jnp.argmax(x @ teacher + 2.0 * jax.random.normal(ky, (steps, rows, CLASSES)), axis=-1)
+
+    return tuple(np.asarray(a) for a in make())
 
 
 def auto_mesh(shape=(4, 2), names=("data", "model")):
@@ -279,7 +282,7 @@ def test_flax_dropout_inside_the_loss_is_the_global_calls(axis_type, k):
 
     model, key = MLP(), jax.random.key(4)
     x, y = (b[0][:32] for b in batches())
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)  # one compilation, not one per eager op
 
     def loss(variables, x, y):
         logits = model.apply(variables, x, rngs={"dropout": key})
@@ -620,12 +623,15 @@ def test_weighted_loss_recipe_gives_the_global_token_weighted_gradient():
 # --------------------------------------------------------------------------- stacked (scanned) layers
 
 
+@functools.cache  # jax arrays are immutable: one set for every test
 def stacked_params(layers=3, d=D_IN):
-    kw, kb = jax.random.split(jax.random.key(7))
-    return {
-        "layers": {"w": jax.random.normal(kw, (layers, d, d)) * 0.3, "b": jax.random.normal(kb, (layers, d)) * 0.1},
-        "head": jax.random.normal(jax.random.key(8), (d, CLASSES)) * 0.4,
-    }
+    @jax.jit  # one compilation, not one per eager op
+    def make():
+        kw, kb = jax.random.split(jax.random.key(7))
+        w, b = jax.random.normal(kw, (layers, d, d)) * 0.3, jax.random.normal(kb, (layers, d)) * 0.1
+        return {"layers": {"w": w, "b": b}, "head": jax.random.normal(jax.random.key(8), (d, CLASSES)) * 0.4}
+
+    return make()
 
 
 def stacked_loss(params, x, y, *, remat=True, inner_jit=False):
