@@ -41,6 +41,7 @@ def adascale(
     averaging: str = "debiased",
     gain_exponent: float = 1.0,
     precondition: Any = None,
+    memory_fraction: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """:func:`optax_adascale.adascale` with the estimator experiments.
 
@@ -70,6 +71,10 @@ def adascale(
         ``None``): the statistics are taken on ``P ⊙ g_i`` instead of ``g_i``,
         e.g. :func:`adam_preconditioner`. One more read of ``P`` per squared
         norm; not with ``shard_optimizer_state`` or ``microbatch_stats``.
+      memory_fraction: ``c``: the averages remember ``c·τ_t`` base-batch steps
+        (``θ_t = exp(−r_{t−1}/(c·τ_t))``), a fixed fraction of the progress so
+        far: a memory that needs no run length. Not with ``horizon`` or
+        ``smoothing``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -101,4 +106,5 @@ def adascale(
         averaging=averaging,
         gain_exponent=gain_exponent,
         precondition=precondition,
+        memory_fraction=memory_fraction,
     )
