@@ -15,13 +15,16 @@ HERE = Path(__file__).resolve().parent
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.estimator", description=__doc__)
-    p.add_argument("--tasks", nargs="+", default=["regression", "mnist1d", "digits", "digits32", "lm"])
+    p.add_argument("--tasks", nargs="+", default=None, help="default: all five (--smoke: regression)")
     p.add_argument("--scales", nargs="+", type=int, default=list(estimator.SCALES))
     p.add_argument("--seeds", type=int, default=3, help="seeds 0 … n−1")
-    p.add_argument("--candidates", nargs="+", default=list(estimator.CANDIDATES))
-    p.add_argument("--smoke", action="store_true", help="tiny setups, 2 scales, 1 seed, no cache (seconds)")
+    p.add_argument("--candidates", nargs="+", default=None, help="default: CANDIDATES (--smoke: two)")
+    p.add_argument(
+        "--smoke", action="store_true", help="the tiny regression, S = 4, one seed, two candidates, no cache (seconds)"
+    )
     p.add_argument("--out", type=Path, default=None, help="folder for README.md and plots/ (default: this study's)")
     p.add_argument("--no-report", action="store_true", help="run (and cache) the cells only")
+    p.add_argument("--report", action="store_true", help="the report of the cached cells only (runs nothing)")
     p.add_argument("--tune", action="store_true", help="the S = 1 learning-rate sweep of digits32 and lm")
     args = p.parse_args(argv)
 
@@ -31,16 +34,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     start = time.perf_counter()
     setups = tasks.make_setups(smoke=args.smoke)
-    chosen = [setups[name] for name in args.tasks]
     scales, seeds = args.scales, list(range(args.seeds))
     num_evals, offline = estimator.NUM_EVALS, estimator.OFFLINE_BATCHES
+    names = args.tasks or (["regression"] if args.smoke else list(setups))
+    candidates = args.candidates or ([estimator.DEFAULT, "frac(0.1)+unb"] if args.smoke else list(estimator.CANDIDATES))
     if args.smoke:
         scales, seeds, num_evals, offline = [4], [0], 4, 16
+    chosen = [setups[name] for name in names]
     out = args.out or HERE
     cache_dir = None if args.smoke else HERE / ".cache"
     cache = cache_mod.CellCache(cache_dir, estimator.cell_name)
     res = estimator.run_grid(
-        chosen, args.candidates, scales, seeds, cache, num_evals=num_evals, offline_batches=offline
+        chosen, candidates, scales, seeds, cache, num_evals=num_evals, offline_batches=offline, cached_only=args.report
     )
     if args.no_report:
         return
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         out / "README.md",
         chosen,
         res,
-        args.candidates,
+        candidates,
         scales,
         seeds,
         out / "plots",

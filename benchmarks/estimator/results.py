@@ -57,9 +57,9 @@ def quality_flag(setup, results, method, scale, seeds) -> str:
 def tracking_summary(results, task, method, scale, seeds):
     """``(bias, error, worst, spread, noise)`` of the online gain against the reference, after 5 % of τ.
 
-    Per interval between checkpoints, the mean gain applied (``Δτ/Δiterations``) relative to the reference
-    (:func:`estimator.tracking`), averaged over the seeds: ``bias`` is its mean over the intervals,
-    ``error`` the mean of its absolute value (the tracking error), ``worst`` its largest absolute value.
+    Per window of T/5 in τ, the gain applied (``Δτ/Δiterations``) relative to the reference's harmonic mean
+    over the window (:func:`estimator.tracking`), averaged over the seeds: ``bias`` is its mean over the
+    windows, ``error`` the mean of its absolute value (the tracking error), ``worst`` its largest absolute value.
     ``spread`` is the mean absolute deviation of the last update's gain at each checkpoint (per seed: the
     per-update noise included); ``noise`` the offline reference's own RMS noise. ``None`` without a reference.
     """
@@ -67,8 +67,8 @@ def tracking_summary(results, task, method, scale, seeds):
     tracks = [t for t in tracks if t is not None]
     if not tracks:
         return None
-    n = min(len(t["interval"]) for t in tracks)
-    rel = np.mean([t["interval"][-n:] for t in tracks], axis=0)
+    n = min(len(t["window"]) for t in tracks)
+    rel = np.mean([t["window"][-n:] for t in tracks], axis=0)
     spread = np.mean([np.mean(np.abs(t["point"])) for t in tracks])
     noise = np.mean([t["noise"] for t in tracks])
     return float(np.mean(rel)), float(np.mean(np.abs(rel))), float(np.max(np.abs(rel))), float(spread), float(noise)
@@ -202,13 +202,14 @@ def write_report(path, setups, results, candidates, scales, seeds, plot_dir, com
         "",
         "### Tracking",
         "",
-        "The gain applied over each interval between checkpoints (τ = kT/20; the intervals after the first 5 % of "
-        "τ), Δτ/Δiterations, relative to the reference at the run's own parameters (the mean of its values at the "
-        "interval's ends), averaged over the seeds per interval: mean (bias) / mean absolute (**the tracking "
-        "error**) / worst interval, and in brackets the mean absolute deviation of the last update's gain at each "
-        "checkpoint, per seed (per-update noise included); in %. ✓: tracking error ≤ 10 %. Offline references: σ², "
-        "μ² from fresh base batches at the checkpoint; their own noise (RMS, from two halves) in the first row "
-        "of each task.",
+        "The gain applied over each window of T/5 in τ after the first 5 % (Δτ/Δiterations: what sets the "
+        "iteration count) relative to the reference at the run's own parameters over the same window (the harmonic "
+        "mean of its values at the checkpoints τ = kT/20, since iterations per unit of τ are 1/r), averaged over the "
+        "seeds per window: mean (bias) / mean absolute (**the tracking error**) / worst window, and in brackets the "
+        "mean absolute deviation of the last update's gain from the reference at each checkpoint, per seed (the "
+        "per-update noise and the reference's own jumps included); in %. ✓: tracking error ≤ 10 %. Offline "
+        "references: σ², μ² from 256 fresh base batches at the checkpoint; their own noise (RMS, from two halves) "
+        "in the first row of each task.",
         "",
         tracking_table(setups, results, candidates, scales, seeds),
         "",
