@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, help="folder for README.md and plots/ (default: this study's)")
     p.add_argument("--no-report", action="store_true", help="run (and cache) the cells only")
     p.add_argument("--report", action="store_true", help="the report of the cached cells only (runs nothing)")
+    p.add_argument("--plot", nargs="+", default=["frac(0.05)+unb"], help="candidates plotted beside the default")
     p.add_argument("--tune", action="store_true", help="the S = 1 learning-rate sweep of digits32 and lm")
     args = p.parse_args(argv)
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         out / "plots",
         report.command_line("estimator", argv),
         time.perf_counter() - start,
+        chosen=[c for c in args.plot if c in candidates],
     )
 
 

@@ -130,12 +130,13 @@ def quality_table(setup, results, candidates, scales, seeds) -> str:
 def goal_table(setups, results, candidates, scales, seeds) -> str:
     """Per candidate: cells within the tracking goal, quality flags, iterations against the default."""
     lines = [
-        "| estimator | cells with tracking error ≤ 10 % | mean tracking error | cells ✗ / ~ | iterations vs default |",
-        "|---|---:|---:|---:|---:|",
+        "| estimator | cells with tracking error ≤ 10 % | mean tracking error | cells ✗ / ~ | iterations vs default "
+        "| cells missing the goal |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for method in candidates:
         within = total = bad = near = 0
-        errs, ratios = [], []
+        errs, ratios, missing = [], [], []
         for setup in setups:
             for s in scales:
                 t = tracking_summary(results, setup.name, method, s, seeds)
@@ -143,7 +144,11 @@ def goal_table(setups, results, candidates, scales, seeds) -> str:
                     total += 1
                     within += t[1] <= GOAL
                     errs.append(t[1])
+                    if t[1] > GOAL:
+                        missing.append(f"{setup.name} S={s} ({100 * t[1]:.0f} %)")
                 flag = quality_flag(setup, results, method, s, seeds)
+                if flag == "✗":
+                    missing.append(f"{setup.name} S={s} ✗")
                 bad += flag == "✗"
                 near += flag == "~"
                 recs = _records(results, setup.name, method, s, seeds)
@@ -155,7 +160,7 @@ def goal_table(setups, results, candidates, scales, seeds) -> str:
         lo, hi = (100 * (min(ratios) - 1), 100 * (max(ratios) - 1)) if ratios else (0, 0)
         lines.append(
             f"| {label(method)} | {within} / {total} | {100 * np.mean(errs):.0f} % | {bad} / {near} | "
-            f"{100 * (np.mean(ratios) - 1):+.0f} % ({lo:+.0f} … {hi:+.0f} %) |"
+            f"{100 * (np.mean(ratios) - 1):+.0f} % ({lo:+.0f} … {hi:+.0f} %) | {', '.join(missing) or 'none'} |"
         )
     return "\n".join(lines)
 
