@@ -58,8 +58,10 @@ class Estimator:
         ``tau`` is ``τ_t`` before this update (only ``memory_fraction`` reads it).
         """
         if self.memory_fraction is not None:
-            theta = horizon_smoothing(last_gain, jnp.asarray(self.memory_fraction, jnp.float32) * tau)
-            return theta, theta
+            if tau is None:
+                raise ValueError("memory_fraction needs τ: pass tau to Estimator.smoothings")
+            memory = horizon_smoothing(last_gain, jnp.asarray(self.memory_fraction, jnp.float32) * tau)
+            return memory, memory
         if self.horizon is None:
             theta = default_smoothing(num_samples) if self.smoothing is None else self.smoothing
             return theta, theta
