@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, help="folder for README.md and plots/ (default: this study's)")
     p.add_argument("--no-report", action="store_true", help="run (and cache) the cells only")
     p.add_argument("--report", action="store_true", help="the report of the cached cells only (runs nothing)")
+    p.add_argument("--offline-batches", type=int, default=estimator.OFFLINE_BATCHES, help="per checkpoint")
     p.add_argument("--plot", nargs="+", default=["frac(0.05)+unb"], help="candidates plotted beside the default")
     p.add_argument("--tune", action="store_true", help="the S = 1 learning-rate sweep of digits32 and lm")
     args = p.parse_args(argv)
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     setups = tasks.make_setups(smoke=args.smoke)
     scales, seeds = args.scales, list(range(args.seeds))
-    num_evals, offline = estimator.NUM_EVALS, estimator.OFFLINE_BATCHES
+    num_evals, offline = estimator.NUM_EVALS, args.offline_batches
     names = args.tasks or (["regression"] if args.smoke else list(setups))
     candidates = args.candidates or ([estimator.DEFAULT, "frac(0.1)+unb"] if args.smoke else list(estimator.CANDIDATES))
     if args.smoke:

@@ -82,7 +82,8 @@ def tracking_table(setups, results, candidates, scales, seeds) -> str:
     head = "| task | reference | estimator | " + " | ".join(f"S={s}" for s in scales) + " |"
     lines = [head, "|---|---|---|" + "---:|" * len(scales)]
     for setup in setups:
-        ref_kind = "closed form" if setup.moments is not None else f"offline, {estimator.OFFLINE_BATCHES} batches"
+        kinds = {r["reference"]["kind"] for k, r in results.items() if k[0] == setup.name and "reference" in r}
+        ref_kind = " / ".join(sorted(kinds)) or "—"
         noise = [tracking_summary(results, setup.name, estimator.DEFAULT, s, seeds) for s in scales]
         if setup.moments is None and any(noise):
             cells = [f"±{100 * t[4]:.0f} %" if t else "" for t in noise]
@@ -213,8 +214,8 @@ def write_report(path, setups, results, candidates, scales, seeds, plot_dir, com
         "seeds per window: mean (bias) / mean absolute (**the tracking error**) / worst window, and in brackets the "
         "mean absolute deviation of the last update's gain from the reference at each checkpoint, per seed (the "
         "per-update noise and the reference's own jumps included); in %. ✓: tracking error ≤ 10 %. Offline "
-        "references: σ², μ² from 256 fresh base batches at the checkpoint; their own noise (RMS, from two halves) "
-        "in the first row of each task.",
+        "references: σ², μ² from fresh base batches at the checkpoint (256; 64 for the LM); their own noise (RMS, "
+        "from two halves) in the first row of each task.",
         "",
         tracking_table(setups, results, candidates, scales, seeds),
         "",
