@@ -173,6 +173,8 @@ def tracking_plot(setups, results, methods, scales, seed, path):
     colours = ["0.45", "tab:blue", "tab:orange", "tab:green"]
     for row, setup in zip(axes, setups, strict=True):
         for ax, s in zip(row, scales, strict=True):
+            if not any((setup.name, m, s, seed) in results for m in methods):
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="0.5")
             for method, c in zip(methods, colours, strict=False):
                 r = results.get((setup.name, method, s, seed))
                 if r is None:
