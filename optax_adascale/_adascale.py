@@ -449,6 +449,7 @@ def build(
     averaging: str = est.DEBIASED,
     gain_exponent: float = 1.0,
     precondition: Any = None,
+    memory_fraction: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Every option checked and resolved once into typed parts; the transformation's closures."""
     _checks.check_static_int("accumulation_steps", accumulation_steps)
@@ -461,6 +462,12 @@ def build(
     _checks.check_bool("unbiased_sqr", unbiased_sqr)
     _checks.check_number("gain_exponent", gain_exponent, low=0.0, high=1.0)
     horizons = _checks.check_horizon(horizon)
+    _checks.check_number("memory_fraction", memory_fraction, low=0.0, low_open=True)
+    if memory_fraction is not None and (horizon is not None or smoothing is not None):
+        raise ValueError(
+            f"memory_fraction={memory_fraction!r} sets the averages' memory; leave horizon and smoothing at None "
+            f"(got horizon={horizon!r}, smoothing={smoothing!r})."
+        )
     if precondition is not None and not callable(precondition):
         raise TypeError(f"precondition must be a function of inner's state, got precondition={precondition!r}")
     if precondition is not None and shard_optimizer_state is not None:
@@ -485,6 +492,7 @@ def build(
         unbiased_sqr=unbiased_sqr,
         delayed_gain=delayed_gain,
         gain_exponent=gain_exponent,
+        memory_fraction=memory_fraction,
     )
     inner = optax.with_extra_args_support(inner)
     update = _step.Update(inner, learning_rate, estimator)

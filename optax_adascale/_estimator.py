@@ -39,6 +39,8 @@ class Estimator:
       unbiased_sqr: average ``μ̂²`` unfloored, floor only the average.
       delayed_gain: the gain of update ``t`` from the averages through ``t − 1``.
       gain_exponent: ``p`` in the step ``r^p·lr`` (1 is AdaScale).
+      memory_fraction: ``c``: a memory of ``c·τ_t`` base-batch steps, a fixed
+        fraction of the progress so far (no run length needed), or ``None``.
     """
 
     eps: Any = 1e-6
@@ -48,9 +50,18 @@ class Estimator:
     unbiased_sqr: bool = False
     delayed_gain: bool = False
     gain_exponent: float = 1.0
+    memory_fraction: Any = None
 
-    def smoothings(self, num_samples: int, last_gain: Array) -> tuple[Any, Any]:
-        """``θ`` of the σ² and μ² averages for an update of ``n`` samples: the one place ``θ`` is decided."""
+    def smoothings(self, num_samples: int, last_gain: Array, tau: Array | None = None) -> tuple[Any, Any]:
+        """``θ`` of the σ² and μ² averages for an update of ``n`` samples: the one place ``θ`` is decided.
+
+        ``tau`` is ``τ_t`` before this update (only ``memory_fraction`` reads it).
+        """
+        if self.memory_fraction is not None:
+            if tau is None:
+                raise ValueError("memory_fraction needs τ: pass tau to Estimator.smoothings")
+            memory = horizon_smoothing(last_gain, jnp.asarray(self.memory_fraction, jnp.float32) * tau)
+            return memory, memory
         if self.horizon is None:
             theta = default_smoothing(num_samples) if self.smoothing is None else self.smoothing
             return theta, theta

@@ -71,7 +71,8 @@ def _statistics(estimator: est.Estimator, shape: Shape, a: Array, b: Array, stat
             ok,
         )
     var_t, sqr_t = est.step_moments(a, b, n, S, estimator.eps, floor_sqr=not estimator.unbiased_sqr)
-    theta_var, theta_sqr = estimator.smoothings(n, state.gain)
+    tau = state.tau_whole.astype(jnp.float32) + state.tau_frac
+    theta_var, theta_sqr = estimator.smoothings(n, state.gain, tau)
     alpha_var, weight = est.ema_rate(count, state.ema_weight, theta_var, estimator.averaging)
     alpha_sqr, sqr_weight = est.ema_rate(count, state.sqr_weight, theta_sqr, estimator.averaging)
     grad_var = est.ema_update(old_var, var_t, alpha_var)

@@ -72,8 +72,9 @@ def test_every_factory_spells_each_adascale_option_one_way(factory):
             assert param.default == ADASCALE_OPTIONS[option], (factory.__name__, name)
         else:  # only the experiments may add options, and only in optax_adascale.experimental
             assert factory is optax_adascale.experimental.adascale, (factory.__name__, name)
-            assert name in {"averaging", "gain_exponent", "precondition"}, name
-    assert not {"variance_eps", "fsdp_sq_norms", "averaging", "gain_exponent", "precondition"} & set(ADASCALE_OPTIONS)
+            assert name in {"averaging", "gain_exponent", "precondition", "memory_fraction"}, name
+    experiments = {"averaging", "gain_exponent", "precondition", "memory_fraction"}
+    assert not ({"variance_eps", "fsdp_sq_norms"} | experiments) & set(ADASCALE_OPTIONS)
 
 
 def test_value_and_grad_has_the_pinned_keywords_and_update_takes_one_statistics_keyword():

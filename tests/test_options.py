@@ -81,6 +81,40 @@ def test_a_horizon_pair_gives_each_average_its_own_memory():
     assert float(runs["pair"].grad_sqr) == pytest.approx(float(runs["short"].grad_sqr), rel=1e-6)
 
 
+def test_memory_fraction_remembers_a_fixed_fraction_of_the_progress_so_far():
+    # memory_fraction=c: θ_t = exp(−r_{t−1}/(c·τ_t)). Update 1 (τ = 0): θ = 0, the averages are the sample;
+    # orthogonal replicas give σ̂² = 1, μ̂² = 0, gain 2, τ = 2. Update 2: θ = exp(−2/(c·2)); update 3:
+    # θ = exp(−r₂/(c·(2 + r₂))). Identical samples [3, 4] then [0, 1]: σ̂² at the eps floor.
+    c, eps, S = 0.5, 1e-6, 2.0
+    tx = optax_adascale.experimental.adascale(optax.identity(), 0.1, axis_name="i", memory_fraction=c)
+    params = jnp.zeros(2)
+    step = replica_update(tx)
+    state = tx.init(params)
+    grads = [jnp.array([[1.0, 0.0], [0.0, 1.0]]), jnp.array([[3.0, 4.0], [3.0, 4.0]]), jnp.array([[0.0, 1.0]] * 2)]
+    var, sqr, w, tau, gain = 0.0, 0.0, 0.0, 0.0, 1.0
+    for g, (var_t, sqr_t) in zip(grads, [(1.0, 0.0), (eps, 25.0 - eps / 2), (eps, 1.0 - eps / 2)], strict=True):
+        theta = 0.0 if tau == 0 else np.exp(-gain / (c * tau))
+        w_new = theta * w + (1 - theta)
+        var = (theta * w * var + (1 - theta) * var_t) / w_new
+        sqr = (theta * w * sqr + (1 - theta) * sqr_t) / w_new
+        w, gain = w_new, (var + sqr) / (var / S + sqr)
+        tau += gain
+        _, state = step(g, state, params)
+        s = optax_adascale.get_adascale_state(state)
+        assert float(s.grad_var) == pytest.approx(var, rel=1e-5)
+        assert float(s.grad_sqr) == pytest.approx(sqr, rel=1e-5)
+        assert float(s.gain) == pytest.approx(gain, rel=1e-5)
+        assert float(optax_adascale.scale_invariant_steps(state)) == pytest.approx(tau, rel=1e-5)
+
+
+def test_memory_fraction_with_horizon_or_smoothing_is_rejected():
+    for other in ({"horizon": 10.0}, {"smoothing": 0.9}):
+        with pytest.raises(ValueError, match=r"memory_fraction=0.1"):
+            optax_adascale.experimental.adascale(optax.identity(), 0.1, memory_fraction=0.1, **other)
+    with pytest.raises(ValueError, match=r"memory_fraction"):
+        optax_adascale.experimental.adascale(optax.identity(), 0.1, memory_fraction=0.0)
+
+
 # --------------------------------------------------------------------------- gain exponent
 
 
