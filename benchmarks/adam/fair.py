@@ -98,7 +98,19 @@ def problem_of(task: Task) -> engine.Problem:
     )
 
 
-def run(task, cache, scales, seeds, *, lamb_lars, num_evals, only_cached=False, log=None):
+def run(
+    task,
+    cache,
+    scales,
+    seeds,
+    *,
+    lamb_lars,
+    num_evals,
+    rules=tuple(ADAMW_RULES),
+    baseline_seeds=None,
+    only_cached=False,
+    log=None,
+):
     """Every cell of one task; returns ``(results {(label, S, seed): record}, tuned {label: (lr, sweep rows)})``."""
     log = log or functools.partial(print, flush=True)
     problem = problem_of(task)
@@ -117,14 +129,15 @@ def run(task, cache, scales, seeds, *, lamb_lars, num_evals, only_cached=False, 
             )
         return record
 
-    for seed in seeds:
+    for seed in seeds[:baseline_seeds]:
         results[("AdamW", 1, seed)] = adam_cell(adam.BASELINE, 1, seed)
     for scale in scales:
         for seed in seeds:
             as_record = results[(ADASCALE, scale, seed)] = adam_cell(ADASCALE, scale, seed)
             if as_record is None:
                 continue
-            for label, (rule, stretched) in ADAMW_RULES.items():
+            for label in rules:
+                rule, stretched = ADAMW_RULES[label]
                 n = as_record["iterations"] if stretched else math.ceil(T / scale)
                 results[(label, scale, seed)] = cells.run(
                     label, "adamw", rule, scale, seed, n, task.learning_rate, only_cached=only_cached
@@ -205,6 +218,8 @@ def main(argv=None):
     parser.add_argument("--scales", nargs="+", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--no-lamb-lars", action="store_true", help="skip LAMB and LARS")
+    parser.add_argument("--baseline-seeds", type=int, default=None, help="seeds of AdamW at S = 1 (default: all)")
+    parser.add_argument("--rules", nargs="+", default=tuple(ADAMW_RULES), choices=ADAMW_RULES, help="AdamW rows")
     parser.add_argument("--no-report", action="store_true", help="run cells only")
     parser.add_argument("--report", action="store_true", help="the section from cached cells only; run nothing")
     args = parser.parse_args(argv)
@@ -229,6 +244,8 @@ def main(argv=None):
             scales,
             seeds,
             lamb_lars=not args.no_lamb_lars,
+            rules=tuple(args.rules),
+            baseline_seeds=args.baseline_seeds,
             num_evals=num_evals,
             only_cached=args.report,
         )

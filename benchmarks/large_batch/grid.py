@@ -76,12 +76,14 @@ def _finals(recs):
     return [r["final"]["metric"] for r in recs]
 
 
-def paired(problem, base_recs, recs) -> tuple[float, float]:
-    """``(mean of per-seed differences, two standard errors)``, signed so that positive means *better* than base."""
+def paired(problem, base_recs, recs) -> tuple[float, float, int]:
+    """``(mean of per-seed differences, two standard errors, seeds)`` over the seeds both ran, signed so that
+    positive means *better* than base."""
+    base = {r["seed"]: r["final"]["metric"] for r in base_recs}
     sign = 1.0 if problem.higher_is_better else -1.0
-    d = sign * (np.asarray(_finals(recs)) - np.asarray(_finals(base_recs)))
+    d = [sign * (r["final"]["metric"] - base[r["seed"]]) for r in recs if r["seed"] in base]
     m, s, n = stats.mean_std(d)
-    return m, 2.0 * s / math.sqrt(n)
+    return m, 2.0 * s / math.sqrt(n), n
 
 
 def flag(problem, base_recs, recs) -> str:
@@ -118,6 +120,7 @@ def table(problem, rows) -> str:
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     T = problem.total_steps
+    most = max((len(r[2]) for r in rows if r[2]), default=0)
     for scale, label, recs, base, adascale in rows:
         if recs is None:
             lines.append(f"| {scale} | {label} | — | — | — | — | — | — |")
@@ -129,11 +132,12 @@ def table(problem, rows) -> str:
             diff, se2 = stats.worse_by(problem.higher_is_better, _finals(base), metric)
             delta = f"{_signed(fmt, -diff if problem.higher_is_better else diff)} (2 SE {fmt(se2)})"
         if adascale is not None and adascale is not recs:
-            m, se2 = paired(problem, adascale, recs)
-            vs_as = f"{_signed(fmt, m)} (2 SE {fmt(se2)})"
+            m, se2, n = paired(problem, adascale, recs)
+            vs_as = f"{_signed(fmt, m)} (2 SE {fmt(se2)})" + ("" if n == len(recs) else f" ({n} seeds)")
         iters = stats.mean_std([r["iterations"] for r in recs])[0]
         m, s, _ = stats.mean_std(metric)
         value = "diverged" if not math.isfinite(m) else f"{fmt(m)} ± {fmt(s)}"
+        value += "" if len(recs) == most else f" (seeds {', '.join(str(r['seed']) for r in recs)})"
         lines.append(
             f"| {scale} | {label} | {value}{mark} | {delta} | {vs_as} | {iters:.0f} | "
             f"{iters * scale / T:.2f} | " + " / ".join(fmt(v) for v in metric) + " |"

@@ -163,8 +163,9 @@ def run(task, caches, scales, seeds, *, num_evals=NUM_EVALS, only_cached=False, 
 
 
 def recs_of(results, label, scale, seeds):
-    recs = [results.get((label, scale, seed)) for seed in seeds]
-    return None if any(r is None for r in recs) else recs
+    """The records of the seeds that ran (``None`` if none did); tables say how many in their per-seed column."""
+    recs = [r for r in (results.get((label, scale, seed)) for seed in seeds) if r is not None]
+    return recs or None
 
 
 def task_section(problem, results, tuned, scales, seeds, *, baseline="SGD", adascale="AS", rules=("LSW+",)):
@@ -181,13 +182,15 @@ def task_section(problem, results, tuned, scales, seeds, *, baseline="SGD", adas
         for label in tuned:
             own = recs_of(results, label, 1, seeds)
             rows += [(scale, name, recs_of(results, name, scale, seeds), own, ada) for name in (label, label + "+")]
+    rows = [row for row in rows if row[2] is not None or row[0] == 1 and row[1] == baseline]  # cells that ran
     out = [f"### {problem.title}", "", grid.table(problem, rows)]
     sweep = []
     for label, (lr, sweep_rows) in tuned.items():
         items = ", ".join(
             (f"**{r_lr:g}**" if r_lr == lr else f"{r_lr:g}") + f": {r['final']['metric']:.4g}" for r_lr, r in sweep_rows
         )
-        sweep.append(f"{label} {items}")
+        if items:
+            sweep.append(f"{label} {items}")
     if sweep:
         out += ["", f"S = 1 sweep of the peak rate, seed 0 ({problem.metric}; **bold** = chosen): " + "; ".join(sweep)]
     return "\n".join(out)
