@@ -217,6 +217,7 @@ def main(argv=None):
     parser.add_argument("--tasks", nargs="+", default=None, choices=("lm", "mnist1d"))
     parser.add_argument("--scales", nargs="+", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--only-seeds", nargs="+", type=int, default=None, help="run these seeds only (for chunks)")
     parser.add_argument("--no-lamb-lars", action="store_true", help="skip LAMB and LARS")
     parser.add_argument("--baseline-seeds", type=int, default=None, help="seeds of AdamW at S = 1 (default: all)")
     parser.add_argument("--rules", nargs="+", default=tuple(ADAMW_RULES), choices=ADAMW_RULES, help="AdamW rows")
@@ -230,6 +231,7 @@ def main(argv=None):
     else:
         cache_dir, scales, seeds, num_evals = args.cache or adam.HERE / ".cache", SCALES, list(range(args.seeds)), 12
     scales = tuple(args.scales) if args.scales else scales
+    seeds = args.only_seeds if args.only_seeds is not None else seeds
     results_path = args.results or adam.HERE / "README.md"
     cache = cell_cache.CellCache(cache_dir, adam._cell_name)
     fixed_cache = cell_cache.CellCache(cache_dir, grid.cell_name)
