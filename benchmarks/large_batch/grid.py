@@ -120,7 +120,7 @@ def table(problem, rows) -> str:
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     T = problem.total_steps
-    most = max((len(r[2]) for r in rows if r[2]), default=0)
+    every = sorted({rec["seed"] for row in rows if row[2] for rec in row[2]})
     for scale, label, recs, base, adascale in rows:
         if recs is None:
             lines.append(f"| {scale} | {label} | — | — | — | — | — | — |")
@@ -137,7 +137,8 @@ def table(problem, rows) -> str:
         iters = stats.mean_std([r["iterations"] for r in recs])[0]
         m, s, _ = stats.mean_std(metric)
         value = "diverged" if not math.isfinite(m) else f"{fmt(m)} ± {fmt(s)}"
-        value += "" if len(recs) == most else f" (seeds {', '.join(str(r['seed']) for r in recs)})"
+        seeds = [r["seed"] for r in recs]
+        value += "" if seeds == every else f" (seeds {', '.join(map(str, seeds))})"
         lines.append(
             f"| {scale} | {label} | {value}{mark} | {delta} | {vs_as} | {iters:.0f} | "
             f"{iters * scale / T:.2f} | " + " / ".join(fmt(v) for v in metric) + " |"
