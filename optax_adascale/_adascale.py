@@ -6,9 +6,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
-from optax_adascale import _checks, _collect, _groups, _reduce, _step
+from optax_adascale import _accumulate, _checks, _collect, _groups, _norms, _reduce, _samples, _step
 from optax_adascale import _estimator as est
 from optax_adascale._microbatch import MicrobatchStats
 
@@ -102,7 +101,7 @@ def _init(
     per_group = lambda value: groups.pack(jnp.full((groups.size,), value, jnp.float32))  # noqa: E731
     acc_grads = acc_sq = None
     if collection.accumulation_steps > 1:
-        acc_grads = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_collect.compute_dtype(p.dtype)), params)
+        acc_grads = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_norms.compute_dtype(p.dtype)), params)
         acc_sq = jnp.zeros((groups.size,), jnp.float32)
     return AdaScaleState(
         count=scalar(jnp.int32),
@@ -145,10 +144,10 @@ def _update(
     _checks.check_grads(grads, params)
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
     axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
-    scattered = _fsdp_statistics(microbatch_stats, collection.accumulation_steps)
+    scattered = _samples.fsdp_statistics(microbatch_stats, collection.accumulation_steps)
     reduction.check(axes, state, params, scattered)
-    weights = _preconditioner(collection.precondition, state.inner_state, grads, microbatch_stats)
-    sq_leaves, k_micro = _local_sq_norms(grads, microbatch_stats, weights)
+    weights = _samples.preconditioner(collection.precondition, state.inner_state, grads, microbatch_stats)
+    sq_leaves, k_micro = _samples.local_sq_norms(grads, microbatch_stats, weights)
     local_sq = groups.sums(axes.model.mask(sq_leaves))
 
     n = axes.replicas * collection.accumulation_steps * k_micro
@@ -163,64 +162,7 @@ def _update(
     if collection.accumulation_steps == 1:
         return step(grads, local_sq, state)
     _collect.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
-    return _accumulate(collection.accumulation_steps, grads, local_sq, state, step)
-
-
-def _fsdp_statistics(microbatch_stats: Any, accumulation_steps: int) -> bool:
-    """Whether the statistics are FSDP probes' (the gradients are already reduce-scattered rows)."""
-    if microbatch_stats is not None and not isinstance(microbatch_stats, MicrobatchStats):
-        raise TypeError(
-            "microbatch_stats must be a MicrobatchStats (from value_and_grad, or the gradient of fsdp_probes), "
-            f"got {type(microbatch_stats).__name__}"
-        )
-    if microbatch_stats is None or not microbatch_stats.fsdp:
-        return False
-    if accumulation_steps != 1 or microbatch_stats.num_microbatches != 1:
-        raise ValueError(
-            "FSDP statistics (fsdp_probes) work with one sample per replica per update: "
-            f"got accumulation_steps={accumulation_steps}; use more data-parallel replicas"
-        )
-    return True
-
-
-def _preconditioner(precondition: Any, inner_state: Any, grads: Any, microbatch_stats: Any) -> list[Array] | None:
-    """The per-leaf multipliers ``P`` of the statistics (``precondition(inner_state)``), or ``None``."""
-    if precondition is None:
-        return None
-    if microbatch_stats is not None:
-        raise ValueError(
-            "precondition needs the gradients themselves: it cannot be combined with microbatch_stats "
-            "(use accumulation_steps or more replicas)"
-        )
-    weights = precondition(inner_state)
-    if weights is None:
-        return None
-    try:
-        return jax.tree.structure(grads).flatten_up_to(weights)
-    except (ValueError, TypeError) as err:
-        raise ValueError("precondition must return multipliers shaped like the params") from err
-
-
-def _local_sq_norms(
-    grads: Any, microbatch_stats: MicrobatchStats | None, weights: list[Array] | None = None
-) -> tuple[list[Array], int]:
-    """This replica's per-leaf mean squared sample norm (of ``P ⊙ g`` with weights), and its number of samples."""
-    treedef = jax.tree.structure(grads)
-    if microbatch_stats is None:
-        leaves = jax.tree.leaves(grads)
-        if weights is not None:
-            leaves = [g * w for g, w in zip(leaves, weights, strict=True)]
-        return [_collect.leaf_sq_norm(g) for g in leaves], 1
-    if not isinstance(microbatch_stats, MicrobatchStats):
-        raise TypeError(
-            "microbatch_stats must be the MicrobatchStats returned by value_and_grad, "
-            f"got {type(microbatch_stats).__name__}"
-        )
-    try:
-        leaves = treedef.flatten_up_to(microbatch_stats.sq_norms)
-    except (ValueError, TypeError) as err:
-        raise ValueError("microbatch_stats.sq_norms must have the structure of the gradients") from err
-    return leaves, microbatch_stats.num_microbatches
+    return _accumulate.accumulate(collection.accumulation_steps, grads, local_sq, state, step)
 
 
 def _scale(collection: _Collection, n: int, replicas: int) -> Any:
@@ -242,40 +184,6 @@ def _scale(collection: _Collection, n: int, replicas: int) -> Any:
             "num_microbatches=k) + update(..., microbatch_stats=...)) or set accumulation_steps."
         )
     return S
-
-
-def _accumulate(k: int, grads: Any, local_sq: Array, state: AdaScaleState, step: Any):
-    """Across-call accumulation: add to the per-replica buffers; every ``k``-th call reduces once and steps.
-
-    Buffers are ``shape`` per replica, or ``(1, …, shape)`` when shard_map hands
-    us our slice of a ``(replicas, …, shape)`` global array.
-    """
-    acc_grads, acc_sq = state.acc_grads, state.acc_sq_norm
-    like = lambda x, other: jnp.reshape(x, jnp.shape(other))  # noqa: E731 - buffer <-> per-replica shapes
-    scalars = state._replace(acc_grads=None, acc_sq_norm=None)
-
-    # The cond neither takes nor returns the buffers (a pass-through output
-    # would be copied on every accumulating call); the reducing branch reads
-    # them, and they are updated after the cond, in place.
-    def reduce_branch(state):
-        mean = lambda a, g: ((like(a, g) + g.astype(a.dtype)) / k).astype(g.dtype)  # noqa: E731
-        local = jax.tree.map(mean, acc_grads, grads)
-        new_updates, new_state = step(local, (like(acc_sq, local_sq) + local_sq) / k, state)
-        return new_updates, new_state._replace(micro_step=jnp.zeros_like(state.micro_step)), jnp.bool_(True)
-
-    out_types = jax.eval_shape(reduce_branch, scalars)
-
-    def accumulate_branch(state):
-        zero_updates = jax.tree.map(lambda g, t: _collect.fresh_zeros(g, t.dtype), grads, out_types[0])
-        out = (zero_updates, state._replace(micro_step=state.micro_step + 1), jnp.bool_(False))
-        return _collect.match_varying(out, out_types)
-
-    last = state.micro_step >= k - 1
-    new_updates, new_state, reduced = lax.cond(last, reduce_branch, accumulate_branch, scalars)
-    # `reduced` (not `last`) orders these writes after the cond's reads.
-    new_acc = jax.tree.map(lambda a, g: jnp.where(reduced, 0, a + like(g.astype(a.dtype), a)), acc_grads, grads)
-    new_sq = jnp.where(reduced, 0, acc_sq + like(local_sq, acc_sq))
-    return new_updates, new_state._replace(acc_grads=new_acc, acc_sq_norm=new_sq)
 
 
 # --------------------------------------------------------------------------- factories

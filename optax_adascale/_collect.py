@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_adascale import _groups
+from optax_adascale._norms import STAT_DTYPE, leaf_sq_norm, low_precision
 
 Array = jax.Array
 AxisName = str | tuple[str, ...]
-STAT_DTYPE = jnp.float32
 
 # --------------------------------------------------------------------------- named axes
 
@@ -377,30 +377,7 @@ def _suggest_axis_name(data: frozenset[str], unchecked: list[str]) -> AxisName:
     return names[0] if len(names) == 1 else tuple(names)
 
 
-# --------------------------------------------------------------------------- squared norms
-
-
-def compute_dtype(dtype: Any) -> Any:
-    """Dtype a leaf is scaled and accumulated in: float32/complex64 or wider."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return jnp.promote_types(dtype, jnp.complex64)
-    return dtype if jnp.finfo(dtype).bits > 32 else jnp.dtype(STAT_DTYPE)
-
-
-def leaf_sq_norm(x: Array) -> Array:
-    """``‖x‖² = Σ|x|²`` in float32, squared after the upcast so f16/bf16 cannot overflow."""
-    x = x.astype(compute_dtype(x.dtype))
-    if jnp.iscomplexobj(x):
-        sq = jnp.real(x) * jnp.real(x) + jnp.imag(x) * jnp.imag(x)
-    else:
-        sq = x * x
-    return jnp.sum(sq).astype(STAT_DTYPE)
-
-
-def low_precision(x: Array) -> bool:
-    """16-bit floats: divided by ``n`` before a sum so that values near their maximum cannot overflow."""
-    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16
+# --------------------------------------------------------------------------- the reduction
 
 
 def reduce_statistics(
@@ -453,7 +430,7 @@ def reduce_statistics(
     return mean, a, b
 
 
-# --------------------------------------------------------------------------- varying types under lax.cond
+# --------------------------------------------------------------------------- Explicit mesh axes
 
 
 def _explicit_spec(x: Any) -> tuple[str, ...]:
@@ -465,25 +442,3 @@ def _explicit_spec(x: Any) -> tuple[str, ...]:
     kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     used = _spec_axes(getattr(sharding, "spec", None))
     return tuple(sorted(a for a in used if "Explicit" in str(kinds.get(a))))
-
-
-def match_varying(x: Any, like: Any) -> Any:
-    """``lax.pcast`` each leaf of ``x`` to vary over the axes its twin in ``like`` varies over.
-
-    Needed where the two branches of a ``lax.cond`` under shard_map return a
-    per-replica value from one branch and a fresh (unvarying) one from the
-    other. A no-op under pmap, vmap and ``check_vma=False``.
-    """
-
-    def cast(a, b):
-        missing = varying_axes(b) - varying_axes(a)
-        if not missing:
-            return a
-        return lax.pcast(a, tuple(sorted(missing)), to="varying")
-
-    return jax.tree.map(cast, x, like)
-
-
-def fresh_zeros(x: Any, dtype: Any = None) -> Array:
-    """Zeros with ``x``'s shape and sharding (and dtype unless given), replica-invariant."""
-    return jnp.zeros(x.shape, x.dtype if dtype is None else dtype, out_sharding=jax.typeof(x).sharding)

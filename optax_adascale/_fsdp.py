@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale import _collect, _zero
+from optax_adascale import _collect, _norms, _zero
 from optax_adascale._microbatch import MicrobatchStats
 
 
@@ -119,7 +119,7 @@ def _gather_fwd(row, probe, shape, axis_name):
 
 def _gather_bwd(shape, axis_name, like, cotangent):
     n = _collect.axis_size(axis_name)
-    sq = _collect.leaf_sq_norm(cotangent)
+    sq = _norms.leaf_sq_norm(cotangent)
     row = lax.psum_scatter(jnp.ravel(_zero.to_rows(cotangent, n)), axis_name, scatter_dimension=0, tiled=True)
     return jnp.reshape(row, like.shape[:-1] + (-1,)).astype(like.dtype), sq
 

@@ -12,8 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_adascale._norms import STAT_DTYPE
+
 Array = jax.Array
-STAT_DTYPE = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,8 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_adascale import _checks, _explicit_loss, _global_draws, _microbatch, _scan_probes
-from optax_adascale._collect import STAT_DTYPE, compute_dtype, leaf_sq_norm, low_precision
 from optax_adascale._microbatch import MicrobatchStats
+from optax_adascale._norms import STAT_DTYPE, compute_dtype, leaf_sq_norm, low_precision
 
 
 def value_and_grad(

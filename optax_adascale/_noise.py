@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale import _checks, _collect
+from optax_adascale import _checks, _collect, _norms
 from optax_adascale import _estimator as est
 from optax_adascale._microbatch import MicrobatchStats
 
@@ -191,7 +191,7 @@ def _update(axis_name, batch_size, smoothing, grads, state, params, stats) -> No
 
     model = _collect.model_axes(grads, params, axis_name)
     a: Any = sum(model.mask([jnp.asarray(s, jnp.float32) for s in sq_leaves]))
-    b: Any = sum(model.mask([_collect.leaf_sq_norm(g) for g in jax.tree.leaves(grads)]))
+    b: Any = sum(model.mask([_norms.leaf_sq_norm(g) for g in jax.tree.leaves(grads)]))
     if model.axes:
         a, b = model.psum((a, b))
     if axis_name is not None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale import _collect, _step, _zero
+from optax_adascale import _collect, _norms, _step, _zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ class ZeroRows:
         del weights  # refused with shard_optimizer_state by the factory
         axis, n = shape.axes.data, shape.axes.replicas
         groups, model = shape.groups, shape.axes.model
-        low = _collect.low_precision
+        low = _norms.low_precision
         lead = _local_lead(state.inner_state.rows)
 
         with jax.named_scope("adascale/reduce_scatter"):
@@ -142,7 +142,7 @@ class ZeroRows:
                 flat = jax.tree.map(lambda g: jnp.ravel(_zero.to_rows(g / n if low(g) else g, n)), local_grads)
                 sums = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
                 mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
-            b_local = groups.sums(model.mask([_collect.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
+            b_local = groups.sums(model.mask([_norms.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
             a, b = lax.psum((local_sq / n, b_local), axis)
             a, b = model.psum((a, b))
         param_rows = None

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale._collect import leaf_sq_norm, low_precision
+from optax_adascale._norms import leaf_sq_norm, low_precision
 
 
 def probed_loss(loss_fn, has_aux, treedef, leaves, split):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale import _checks, _collect, _groups
+from optax_adascale import _checks, _collect, _groups, _norms
 from optax_adascale import _estimator as est
 
 Array = jax.Array
@@ -153,7 +153,7 @@ def _scale_updates(leaves: list[Array], steps: Array, leaf_group: tuple[int, ...
     """``−step_g · u`` per leaf (in float32 or wider, complex kept), zero where the update is skipped."""
 
     def scale(u, g):
-        dtype = _collect.compute_dtype(u.dtype)
+        dtype = _norms.compute_dtype(u.dtype)
         real = jnp.finfo(dtype).dtype
         return jnp.where(ok, u.astype(dtype) * (-steps[g]).astype(real), 0).astype(u.dtype)
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_adascale import _collect
+from optax_adascale import _collect, _norms
 
 Array = jax.Array
 
@@ -349,7 +349,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     def update_fn(updates, state, params=None, *, adascale_sq_norm=None, **extra_args):
         del params, extra_args
         if adascale_sq_norm is None:
-            sq = sum((_collect.leaf_sq_norm(u) for u in jax.tree.leaves(updates)), jnp.zeros([], jnp.float32))
+            sq = sum((_norms.leaf_sq_norm(u) for u in jax.tree.leaves(updates)), jnp.zeros([], jnp.float32))
         else:
             sq = adascale_sq_norm(updates)
         norm = jnp.sqrt(sq)

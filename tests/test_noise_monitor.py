@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 from optax_adascale import _hlo, _noise
-from optax_adascale._collect import leaf_sq_norm
+from optax_adascale._norms import leaf_sq_norm
 
 # --------------------------------------------------------------------------- closed form
 
