@@ -239,7 +239,7 @@ def main(argv=None):
     names = args.tasks or (["mnist1d"] if args.smoke else ["mnist1d", "lm"])
     done = []
     for name in names:
-        both = _BothCaches(cache, fixed_cache)
+        both = grid.SplitCache(cache, fixed_cache)
         problem, results, tuned = run(
             all_tasks[name],
             both,
@@ -258,22 +258,6 @@ def main(argv=None):
     report.write_section(results_path, SECTION, body)
     print(f"wrote {results_path} in {time.perf_counter() - start:.1f} s")
     return 0
-
-
-class _BothCaches:
-    """The Adam study's cells (``adam._cell_name``) and the fixed-rule cells (``grid.cell_name``) in one folder."""
-
-    def __init__(self, adam_cache, fixed_cache):
-        self._adam, self._fixed = adam_cache, fixed_cache
-
-    def _pick(self, method):
-        return self._fixed if "@" in method else self._adam
-
-    def get(self, task, method, scale, seed):
-        return self._pick(method).get(task, method, scale, seed)
-
-    def put(self, record, task):
-        self._pick(record["method"]).put(record, task)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def main(argv=None):
     else:
         cache_dir, scales, seeds, num_evals = out / ".cache", study.SCALES, list(range(args.seeds)), study.NUM_EVALS
     scales = tuple(args.scales) if args.scales else scales
-    caches = study._Caches(
+    caches = grid.SplitCache(
         cell_cache.CellCache(cache_dir, scaling._cell_name), cell_cache.CellCache(cache_dir, grid.cell_name)
     )
     all_tasks = scaling_tasks.make_tasks(smoke=args.smoke, cache_dir=cache_dir)

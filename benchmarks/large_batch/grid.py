@@ -148,3 +148,19 @@ def table(problem, rows) -> str:
 
 def _signed(fmt, value):
     return ("+" if value >= 0 else "-") + fmt(abs(value))
+
+
+class SplitCache:
+    """A study's own cells and the fixed-rule cells (``cell_name``: methods with an ``@``) as one cache."""
+
+    def __init__(self, own_cache, fixed_cache):
+        self._own, self._fixed = own_cache, fixed_cache
+
+    def _pick(self, method):
+        return self._fixed if "@" in method else self._own
+
+    def get(self, task, method, scale, seed):
+        return self._pick(method).get(task, method, scale, seed)
+
+    def put(self, record, task):
+        self._pick(record["method"]).put(record, task)

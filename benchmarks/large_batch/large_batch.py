@@ -93,22 +93,6 @@ def problem_of(task) -> engine.Problem:
     )
 
 
-class _Caches:
-    """AdaScale cells (``scaling._cell_name``) and fixed-rule cells (``grid.cell_name``) in one folder."""
-
-    def __init__(self, as_cache, fixed_cache):
-        self._as, self._fixed = as_cache, fixed_cache
-
-    def _pick(self, method):
-        return self._fixed if "@" in method else self._as
-
-    def get(self, task, method, scale, seed):
-        return self._pick(method).get(task, method, scale, seed)
-
-    def put(self, record, task):
-        self._pick(record["method"]).put(record, task)
-
-
 def run(task, caches, scales, seeds, *, num_evals=NUM_EVALS, only_cached=False, log=None):
     """Every cell of one task: ``(problem, {(label, S, seed): record}, {label: (tuned lr, sweep rows)})``."""
     log = log or functools.partial(print, flush=True)
