@@ -29,9 +29,8 @@ ROW = re.compile(
 
 
 def run_smoke(*args: str) -> str:
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT)
-    )
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=str(ROOT))
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "gspmd_lm.py"), "--smoke", *args],
         capture_output=True,

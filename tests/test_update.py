@@ -685,7 +685,9 @@ def test_scale_one_is_exactly_the_inner_optimizer(nesterov):
     schedule = optax.exponential_decay(0.1, transition_steps=3, decay_rate=0.5)
     ours = optax_adascale.adascale_sgd(schedule, momentum=0.9, nesterov=nesterov, weight_decay=1e-2)
     theirs = optax.chain(optax.add_decayed_weights(1e-2), optax.sgd(schedule, momentum=0.9, nesterov=nesterov))
-    s_ours, _ = assert_same_updates(ours, theirs, steps=7, rtol=1e-7)
+    # With Nesterov the two programs fuse `g + μ·m` differently: equal to float32 rounding (a few ulps, the
+    # docs' "to float32 rounding"), not bit for bit; how many ulps depends on XLA's code generation.
+    s_ours, _ = assert_same_updates(ours, theirs, steps=7, rtol=4e-7 if nesterov else 1e-7)
     m = optax_adascale.metrics(s_ours)
     assert float(m["gain"]) == 1.0 and float(m["scale_invariant_steps"]) == 7.0
     assert float(m["learning_rate"]) == pytest.approx(float(schedule(6)))
