@@ -6,11 +6,15 @@
   accumulation-only calls, one extra read pass, O(1) extra state) and the report.
 * ``python -m benchmarks.gpu``: every JAX case on a CPU, finite positive ratios, the bandwidth model and the
   report. No timing is asserted.
+* ``python -m benchmarks.estimator``: the tracking, summary and quality tables agree with each other.
+* ``python -m benchmarks.large_batch`` and ``python -m benchmarks.adam.fair``: every ``+`` row ran exactly
+  AdaScale's iterations at the same S, every other row ⌈T/S⌉, and the examples column is N·S/T.
 """
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +215,82 @@ def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
     assert "CPU smoke numbers" in text and "no GPU was available" in text
     assert "Bandwidth model" in text and "FairScale" in text and "Top costs" in text
     assert "`python -m benchmarks.gpu --smoke --no-peer" in text  # the command, as a user types it
+
+
+# --------------------------------------------------------------------------- estimator, large batch, fair Adam
+
+
+def _table_rows(section: str, first_cell: str) -> list[list[str]]:
+    """The cells of every Markdown table row of ``section`` whose first cell is ``first_cell``."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()]
+    return [r for r in rows if r and r[0] == first_cell]
+
+
+def test_estimator_smoke_tables_agree_with_each_other(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    cmd = [sys.executable, "-m", "benchmarks.estimator", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = (tmp_path / "README.md").read_text()
+    for heading in ("### Tracking", "### Summary", "### Quality and iterations"):
+        assert heading in text
+    assert "not cached" in text and (tmp_path / "plots" / "estimator_tracking.png").stat().st_size > 0
+
+    names = ("FairScale (0.1 default)", "memory 0.1·τ, unbiased_sqr")  # the smoke's two candidates
+    tracking = {r[2]: r[3] for r in _table_rows(text, "regression")}
+    summary = {r[0]: r for r in (_table_rows(text, n)[0] for n in names)}
+    quality = text[text.index("**noisy linear regression**") :]
+    iterations = {n: int(re.search(r", (\d+) it\.", _table_rows(quality, n)[0][2])[1]) for n in names}
+    for name in names:
+        # "bias / mean / max (per update) %": the mean error decides the ✓ and the summary's count and mean.
+        error = int(re.fullmatch(r"[-+]\d+ / (\d+) / \d+ \(\d+\) %( ✓)?", tracking[name])[1])
+        assert tracking[name].endswith("✓") == (error <= 10)
+        assert summary[name][1] == f"{int(error <= 10)} / 1" and summary[name][2] == f"{error} %"
+    change = round(100 * (iterations[names[1]] / iterations[names[0]] - 1))
+    assert summary[names[0]][4].startswith("+0 %") and summary[names[1]][4].startswith(f"{change:+d} %")
+
+
+def _fixed_rule_rows_are_consistent(section: str, adascale: str, total_steps: int, scale: int = 4):
+    """``+`` rows ran exactly AdaScale's iterations at the same S, the others ⌈T/S⌉; examples ÷ S=1 = N·S/T."""
+    rows = _table_rows(section, str(scale))
+    assert len(rows) >= 5, section
+    by_method = {r[1]: r for r in rows}
+    n_as = int(by_method[adascale][5])
+    for method, row in by_method.items():
+        n = int(row[5])
+        if method.endswith("+"):
+            assert n == n_as, (method, n, n_as)
+        elif method != adascale:
+            assert n == math.ceil(total_steps / scale), (method, n)
+        assert float(row[6]) == pytest.approx(n * scale / total_steps, abs=0.006), (method, row)
+        assert row[3] and (method == adascale or row[4]), row  # Δ vs S = 1, and vs AdaScale for the others
+
+
+def test_large_batch_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    cmd = [sys.executable, "-m", "benchmarks.large_batch", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    section = (tmp_path / "README.md").read_text().split("### digits MLP")[1]
+    total_steps = int(_table_rows(section, "1")[0][5])
+    assert {r[1] for r in _table_rows(section, "1")} == {"SGD", "LAMB", "LARS"}
+    assert {r[1] for r in _table_rows(section, "4")} == {"AS", "SGD LSW+", "LAMB", "LAMB+", "LARS", "LARS+"}
+    _fixed_rule_rows_are_consistent(section, "AS", total_steps)
+    assert not (tmp_path / ".cache").exists()  # smoke mode caches nothing
+
+
+def test_fair_adam_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    results = tmp_path / "README.md"
+    cmd = [sys.executable, "-m", "benchmarks.adam.fair", "--smoke", "--cache", str(tmp_path / "cache")]
+    proc = subprocess.run(
+        [*cmd, "--results", str(results)], cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = results.read_text()
+    assert "<!-- adam-fair:start -->" in text and f"cells cached under `{tmp_path / 'cache'}`" in text
+    section = text.split("### MNIST-1D CNN")[1]
+    labels = {"AS-a", "LAMB", "LAMB+", "LARS", "LARS+"} | {f"AdamW {r}" for r in ("id", "sqrt", "LSW")}
+    assert {r[1] for r in _table_rows(section, "4")} == labels | {f"AdamW {r}+" for r in ("id", "sqrt", "LSW")}
+    _fixed_rule_rows_are_consistent(section, "AS-a", int(_table_rows(section, "1")[0][5]))
+    assert any((tmp_path / "cache").glob("mnist1d_LAMBplus_*_S4_seed0.json"))  # cells cached where --cache says

@@ -170,7 +170,7 @@ def run(
     return problem, {k: v for k, v in results.items() if v is not None}, tuned
 
 
-def section(tasks_results, scales, seeds, command, elapsed) -> str:
+def section(tasks_results, scales, seeds, command, elapsed, cached_under="benchmarks/adam/.cache/") -> str:
     out = [
         "## Adam: the fair comparison, and LAMB and LARS",
         "",
@@ -178,7 +178,7 @@ def section(tasks_results, scales, seeds, command, elapsed) -> str:
         "optimizers built for large batches, beat AdaScale at equal examples?",
         "",
         f"Command: `{command}` ({len(seeds)} seeds, S ∈ {{{', '.join(map(str, scales))}}}; this invocation "
-        f"{elapsed:.0f} s, cells cached under `benchmarks/adam/.cache/`).",
+        f"{elapsed:.0f} s, " + (f"cells cached under `{cached_under}`)." if cached_under else "cells not cached)."),
         "",
         report.kept_reading(Path(tasks_results[0][3]), SECTION) if tasks_results else "",
         "",
@@ -254,7 +254,9 @@ def main(argv=None):
         done.append((problem, results, tuned, str(results_path)))
     if args.no_report:
         return 0
-    body = section(done, scales, seeds, report.command_line("adam.fair", argv), time.perf_counter() - start)
+    cached_under = str(args.cache) if args.cache else (None if args.smoke else "benchmarks/adam/.cache/")
+    command = report.command_line("adam.fair", argv)
+    body = section(done, scales, seeds, command, time.perf_counter() - start, cached_under)
     report.write_section(results_path, SECTION, body)
     print(f"wrote {results_path} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         report.command_line("estimator", argv),
         time.perf_counter() - start,
         chosen=[c for c in args.plot if c in candidates],
+        cached_under=None if cache_dir is None else "benchmarks/estimator/.cache/",
     )
 
 

@@ -193,7 +193,10 @@ def tracking_plot(setups, results, methods, scales, seed, path):
     return plots.save(fig, path)
 
 
-def write_report(path, setups, results, candidates, scales, seeds, plot_dir, command, wall_s, *, chosen=None):
+def write_report(
+    path, setups, results, candidates, scales, seeds, plot_dir, command, wall_s, *, chosen=None, cached_under=None
+):
+    """The README section; ``cached_under``: where the cells are cached (``None``: not cached, a smoke run)."""
     chosen = chosen or [m for m in candidates if m != estimator.DEFAULT][:1]
     shown = [s for s in (4, 64) if s in scales] or scales[-1:]
     plot = tracking_plot(
@@ -203,8 +206,9 @@ def write_report(path, setups, results, candidates, scales, seeds, plot_dir, com
     body = [
         "## Estimator: which default tracks the gain",
         "",
-        f"Command: `{command}` ({len(seeds)} seeds, S ∈ {{{', '.join(map(str, scales))}}}; {cells} cells cached "
-        f"under `benchmarks/estimator/.cache/`; this invocation took {wall_s:.0f} s).",
+        f"Command: `{command}` ({len(seeds)} seeds, S ∈ {{{', '.join(map(str, scales))}}}; {cells} cells, "
+        + (f"cached under `{cached_under}`" if cached_under else "not cached")
+        + f"; this invocation took {wall_s:.0f} s).",
         "",
         report.kept_reading(path, SECTION),
         "",
