@@ -554,6 +554,27 @@ def test_explicit_mesh_loss_not_valid_the_explicit_way_raises_our_error():
         fn(params, xs, ys)
 
 
+def test_data_axis_constraint_inside_custom_vjp_raises_our_error():
+    """A constraint naming the data axis inside a custom_vjp is not rewritten (docs/gspmd.md): JAX's vmap
+    refuses it with an ``spmd_axis_name`` error, which we replace by one naming the cause and the fix."""
+
+    @jax.custom_vjp
+    def act(h):
+        return jax.lax.with_sharding_constraint(jnp.tanh(h), P("data", None))
+
+    act.defvjp(lambda h: (act(h), h), lambda h, g: (g * (1 - jnp.tanh(h) ** 2),))
+
+    def loss(params, x, y):
+        h = act(x @ params["w1"] + params["b1"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
+
+    mesh = auto_mesh()
+    params, (xs, ys) = place(mesh, LAYOUTS["replicated"], *(b[0][:32] for b in batches()))
+    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"inside a jax\.custom_jvp or jax\.custom_vjp.*Drop the"):
+        fn(params, xs, ys)
+
+
 # --------------------------------------------------------------------------- your own loop (docs/gspmd.md)
 
 
