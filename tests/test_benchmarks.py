@@ -26,6 +26,14 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_study(module: str, *args, timeout: int = 600) -> None:
+    """``python -m benchmarks.<module> *args`` from the repository root on the CPU; fails with its output's tail."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 # --------------------------------------------------------------------------- scaling
 
 PLOTS_SCALING = (
@@ -38,16 +46,7 @@ PLOTS_SCALING = (
 
 
 def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scaling", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_study("scaling", "--smoke", "--out", tmp_path)
 
     report = (tmp_path / "README.md").read_text()
     for method in ("AS", "LSW+", "LSW"):
@@ -78,27 +77,8 @@ METHODS_ADAM = ("AS-a", "AS-b", "AS-c", "AS-c'", "sqrt", "LSW")
 
 
 def test_adam_benchmark_smoke_writes_report_and_plots(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
     results = tmp_path / "README.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.adam",
-            "--smoke",
-            "--cache",
-            str(tmp_path / "cache"),
-            "--results",
-            str(results),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_study("adam", "--smoke", "--cache", tmp_path / "cache", "--results", results)
 
     text = results.read_text()
     assert "<!-- adam:start -->" in text and "<!-- adam:end -->" in text
@@ -121,12 +101,10 @@ def test_adam_benchmark_smoke_writes_report_and_plots(tmp_path):
 
 # --------------------------------------------------------------------------- overhead
 
-STUDY_OVERHEAD = [sys.executable, "-m", "benchmarks.overhead"]
-
 
 def test_overhead_smoke_meets_the_hlo_gates_and_writes_the_report(tmp_path):
     out = tmp_path / "overhead.json"
-    subprocess.run([*STUDY_OVERHEAD, "--smoke", "--out", str(out)], cwd=ROOT, check=True, timeout=600)
+    run_study("overhead", "--smoke", "--out", out)
     rows = json.loads(out.read_text())["results"]
     assert {row["mode"] for row in rows} == {"shard_map", "pmap"}
     for row in rows:
@@ -143,14 +121,13 @@ def test_overhead_smoke_meets_the_hlo_gates_and_writes_the_report(tmp_path):
         assert set(row["ratios"]) >= {"sgd", "floor", "floor_b", "adascale", "multi4", "acc4"}
 
     results = tmp_path / "README.md"
-    subprocess.run([*STUDY_OVERHEAD, "--report", str(out), "--results", str(results)], cwd=ROOT, check=True)
+    run_study("overhead", "--report", out, "--results", results)
     text = results.read_text()
     assert "<!-- overhead:start -->" in text and "| shard_map |" in text and "| pmap |" in text
 
 
 # --------------------------------------------------------------------------- gpu
 
-STUDY_GPU = [sys.executable, "-m", "benchmarks.gpu"]
 JAX_CASES = ("update", "lm", "lm_vmap", "cnn")
 
 
@@ -166,17 +143,7 @@ def _finite_ratios(row):
 
 def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
     out = tmp_path / "gpu.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [*STUDY_GPU, "--smoke", "--no-peer", "--variants", "adascale", "--rounds", "2", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_study("gpu", "--smoke", "--no-peer", "--variants", "adascale", "--rounds", "2", "--out", out)
     data = json.loads(out.read_text())
     meta, cases = data["meta"], data["cases"]
     assert meta["backend"] == "cpu" and meta["device_kind"] and meta["jax"] and meta["date"] and meta["command"]
@@ -208,7 +175,7 @@ def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
     assert programs["sgd"]["total_bytes"] < programs["adascale"]["total_bytes"] < 2 * programs["sgd"]["total_bytes"]
 
     results = tmp_path / "README.md"
-    subprocess.run([*STUDY_GPU, "--report", str(out), "--results", str(results)], cwd=ROOT, check=True, timeout=120)
+    run_study("gpu", "--report", out, "--results", results, timeout=120)
     text = results.read_text()
     assert "<!-- gpu:start -->" in text and "<!-- gpu:end -->" in text
     assert meta["device"] in text
@@ -227,10 +194,7 @@ def _table_rows(section: str, first_cell: str) -> list[list[str]]:
 
 
 def test_estimator_smoke_tables_agree_with_each_other(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
-    cmd = [sys.executable, "-m", "benchmarks.estimator", "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_study("estimator", "--smoke", "--out", tmp_path)
     text = (tmp_path / "README.md").read_text()
     for heading in ("### Tracking", "### Summary", "### Quality and iterations"):
         assert heading in text
@@ -267,10 +231,7 @@ def _fixed_rule_rows_are_consistent(section: str, adascale: str, total_steps: in
 
 
 def test_large_batch_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
-    cmd = [sys.executable, "-m", "benchmarks.large_batch", "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_study("large_batch", "--smoke", "--out", tmp_path)
     section = (tmp_path / "README.md").read_text().split("### digits MLP")[1]
     total_steps = int(_table_rows(section, "1")[0][5])
     assert {r[1] for r in _table_rows(section, "1")} == {"SGD", "LAMB", "LARS"}
@@ -280,13 +241,8 @@ def test_large_batch_smoke_stretches_every_rule_to_adascales_iterations(tmp_path
 
 
 def test_fair_adam_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
     results = tmp_path / "README.md"
-    cmd = [sys.executable, "-m", "benchmarks.adam.fair", "--smoke", "--cache", str(tmp_path / "cache")]
-    proc = subprocess.run(
-        [*cmd, "--results", str(results)], cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_study("adam.fair", "--smoke", "--cache", tmp_path / "cache", "--results", results)
     text = results.read_text()
     assert "<!-- adam-fair:start -->" in text and f"cells cached under `{tmp_path / 'cache'}`" in text
     section = text.split("### MNIST-1D CNN")[1]

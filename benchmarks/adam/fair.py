@@ -170,7 +170,7 @@ def run(
     return problem, {k: v for k, v in results.items() if v is not None}, tuned
 
 
-def section(tasks_results, scales, seeds, command, elapsed, cached_under="benchmarks/adam/.cache/") -> str:
+def section(tasks_results, scales, seeds, command, elapsed, cached_under) -> str:
     out = [
         "## Adam: the fair comparison, and LAMB and LARS",
         "",
