@@ -59,7 +59,7 @@ ADAMW_RULES = {  # label -> (rule, stretched to AdaScale's iterations)
     "LSW+": ("LSW", True),
 }
 LARGE_BATCH = {"LAMB": ("lamb", "sqrtW"), "LARS": ("lars", "LSW")}  # label -> (family, usual rule)
-RATES = {"lamb": (1e-3, 3e-3, 1e-2, 3e-2), "lars": (0.1, 0.3, 1.0, 3.0)}
+RATES = {"lamb": (1e-3, 3e-3, 1e-2, 3e-2), "lars": (0.1, 0.3, 1.0, 3.0, 10.0)}  # 10: 3 was the LM grid's top
 SCALES = (4, 16)
 
 
