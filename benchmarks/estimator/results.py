@@ -167,14 +167,15 @@ def goal_table(setups, results, candidates, scales, seeds) -> str:
 
 
 def tracking_plot(setups, results, methods, scales, seed, path):
-    """Online gain over τ against the reference at the run's own parameters, per setup (rows) and S (columns)."""
+    """Online gain over τ against the reference at the run's own parameters, per setup (rows): its smallest and
+    largest S that ran (columns; one column if ``scales`` has one S)."""
     plt = plots.pyplot()
-    fig, axes = plt.subplots(len(setups), len(scales), figsize=(4.2 * len(scales), 2.8 * len(setups)), squeeze=False)
+    ncols = min(2, len(scales))
+    fig, axes = plt.subplots(len(setups), ncols, figsize=(4.2 * ncols, 2.8 * len(setups)), squeeze=False)
     colours = ["0.45", "tab:blue", "tab:orange", "tab:green"]
     for row, setup in zip(axes, setups, strict=True):
-        for ax, s in zip(row, scales, strict=True):
-            if not any((setup.name, m, s, seed) in results for m in methods):
-                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="0.5")
+        ran = [s for s in scales if any((setup.name, m, s, seed) in results for m in methods)] or list(scales)
+        for ax, s in zip(row, [ran[0], ran[-1]][-ncols:], strict=True):
             for method, c in zip(methods, colours, strict=False):
                 r = results.get((setup.name, method, s, seed))
                 if r is None:
@@ -198,9 +199,8 @@ def write_report(
 ):
     """The README section; ``cached_under``: where the cells are cached (``None``: not cached, a smoke run)."""
     chosen = chosen or [m for m in candidates if m != estimator.DEFAULT][:1]
-    shown = [s for s in (4, 64) if s in scales] or scales[-1:]
     plot = tracking_plot(
-        setups, results, [estimator.DEFAULT, *chosen], shown, seeds[0], plot_dir / "estimator_tracking.png"
+        setups, results, [estimator.DEFAULT, *chosen], sorted(scales), seeds[0], plot_dir / "estimator_tracking.png"
     )
     cells = sum(1 for k in results)
     body = [
@@ -246,7 +246,7 @@ def write_report(
         "### Plot",
         "",
         f"`plots/{plot.name}`: online gain over τ (lines) and the reference at the same run's checkpoints (circles), "
-        f"seed {seeds[0]}.",
+        f"seed {seeds[0]}, at each task's smallest and largest S.",
         "",
         f"![tracking](plots/{plot.name})",
     ]
