@@ -176,6 +176,8 @@ def tracking_plot(setups, results, methods, scales, seed, path):
     for row, setup in zip(axes, setups, strict=True):
         ran = [s for s in scales if any((setup.name, m, s, seed) in results for m in methods)] or list(scales)
         for ax, s in zip(row, [ran[0], ran[-1]][-ncols:], strict=True):
+            if not any((setup.name, m, s, seed) in results for m in methods):
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="0.5")
             for method, c in zip(methods, colours, strict=False):
                 r = results.get((setup.name, method, s, seed))
                 if r is None:
