@@ -174,9 +174,9 @@ def tracking_plot(setups, results, methods, scales, seed, path):
     fig, axes = plt.subplots(len(setups), ncols, figsize=(4.2 * ncols, 2.8 * len(setups)), squeeze=False)
     colours = ["0.45", "tab:blue", "tab:orange", "tab:green"]
     for row, setup in zip(axes, setups, strict=True):
-        ran = [s for s in scales if any((setup.name, m, s, seed) in results for m in methods)] or list(scales)
-        for ax, s in zip(row, [ran[0], ran[-1]][-ncols:], strict=True):
-            if not any((setup.name, m, s, seed) in results for m in methods):
+        ran = [s for s in scales if any((setup.name, m, s, seed) in results for m in methods)]
+        for ax, s in zip(row, [(ran or scales)[0], (ran or scales)[-1]][-ncols:], strict=True):
+            if not ran:
                 ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="0.5")
             for method, c in zip(methods, colours, strict=False):
                 r = results.get((setup.name, method, s, seed))

@@ -139,14 +139,14 @@ def digits32(*, smoke: bool = False, learning_rate: float | None = None) -> Setu
 
 def lm(*, smoke: bool = False, learning_rate: float | None = None, full: bool = False) -> Setup:
     """``benchmarks.adam``'s byte LM with the AdamW direction, at its smoke size or (``full``) its own."""
-    if full:
-        task = adam_tasks.lm_task(smoke=smoke)  # benchmarks.adam's model, step count and tuned peak rate
-        lr = adam_tasks.LEARNING_RATES["lm"] if learning_rate is None else learning_rate
-        T, B, n_val = (48, 4, 64) if smoke else (task.total_steps, task.batch_size, 512)
+    # Not full: the smoke model (d = 32, 1 layer, 2 heads, ctx 16), the one the CPU budget allows for the grid.
+    task = adam_tasks.lm_task(smoke=smoke or not full)
+    tuned = adam_tasks.LEARNING_RATES if full else LEARNING_RATES  # full: benchmarks.adam's tuned peak rate
+    lr = tuned["lm"] if learning_rate is None else learning_rate
+    if smoke:
+        T, B, n_val = 48, 4, 64
     else:
-        task = adam_tasks.lm_task(smoke=True)  # d = 32, 1 layer, 2 heads, ctx 16: the model the CPU budget allows
-        lr = LEARNING_RATES["lm"] if learning_rate is None else learning_rate
-        T, B, n_val = (48, 4, 64) if smoke else (1500, 8, 1024)
+        T, B, n_val = (task.total_steps, task.batch_size, 512) if full else (1500, 8, 1024)
     text, _ = datasets.stdlib_source()
     arr = np.frombuffer(text, np.uint8)
     w = task.data["train"].shape[1]
