@@ -7,6 +7,7 @@ Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
 from optax_adascale import experimental, goodput, scaling_rules
 from optax_adascale._adascale import AdaScaleState, adascale
 from optax_adascale._alias import adascale_adamw, adascale_sgd
+from optax_adascale._estimator import Estimator
 from optax_adascale._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
 from optax_adascale._gspmd import value_and_grad
 from optax_adascale._microbatch import MicrobatchStats
@@ -28,6 +29,7 @@ __version__ = "0.2.0"
 
 __all__ = (
     "AdaScaleState",
+    "Estimator",
     "MicrobatchStats",
     "NoiseScaleState",
     "ShardedInnerState",

@@ -1,14 +1,12 @@
 """AdaScale as an optax gradient transformation: the state, the factories, and the update in named steps."""
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale import _accumulate, _checks, _collect, _groups, _norms, _reduce, _samples, _step
-from optax_adascale import _estimator as est
+from optax_adascale import _accumulate, _checks, _collect, _groups, _norms, _options, _reduce, _samples, _step
 from optax_adascale._microbatch import MicrobatchStats
 
 Array = jax.Array
@@ -38,7 +36,11 @@ class AdaScaleState(NamedTuple):
         (``metrics()["learning_rate"]``).
       base_lr: float32 ``[]``, ``lr(⌊τ_t⌋)`` of the last applied update.
       scale: float32 ``[]``, ``S`` of the last applied update (0 before the first).
-      skipped_steps: int32 ``[]``, updates skipped for non-finite values.
+      skipped_steps: int32 ``[]``, updates skipped (non-finite values, or a
+        negative learning rate).
+      negative_lr_steps: int32 ``[]``, of those, the updates skipped because the
+        schedule's learning rate was negative (beyond float rounding: a value
+        within ``1e-6`` of the schedule's largest counts as 0).
       skip_streak: int32 ``[]``, updates skipped since the last applied one.
       floored_steps: int32 ``[]``, applied updates with ``n > 1`` whose variance
         estimate was zero up to rounding (at the ``eps`` floor): replicas that
@@ -66,6 +68,7 @@ class AdaScaleState(NamedTuple):
     base_lr: Array
     scale: Array
     skipped_steps: Array
+    negative_lr_steps: Array
     skip_streak: Array
     floored_steps: Array
     micro_step: Array
@@ -74,23 +77,11 @@ class AdaScaleState(NamedTuple):
     inner_state: Any
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Collection:
-    """Where an update's samples come from: the factory's layout options, checked and resolved once."""
-
-    axis_name: Any
-    accumulation_steps: int
-    scale: Any
-    param_labels: Any
-    param_specs: Any
-    precondition: Any
-
-
 # --------------------------------------------------------------------------- init
 
 
 def _init(
-    collection: _Collection, reduction: Any, inner: optax.GradientTransformationExtraArgs, params: Any
+    collection: _options.Options, reduction: Any, inner: optax.GradientTransformationExtraArgs, params: Any
 ) -> AdaScaleState:
     _checks.check_inexact(params, "params")
     groups = _groups.resolve_groups(collection.param_labels, params)
@@ -117,6 +108,7 @@ def _init(
         base_lr=scalar(),
         scale=scalar(),
         skipped_steps=scalar(jnp.int32),
+        negative_lr_steps=scalar(jnp.int32),
         skip_streak=scalar(jnp.int32),
         floored_steps=scalar(jnp.int32),
         micro_step=scalar(jnp.int32),
@@ -130,7 +122,7 @@ def _init(
 
 
 def _update(
-    collection: _Collection,
+    collection: _options.Options,
     update: _step.Update,
     reduction: Any,
     grads: Any,
@@ -165,7 +157,7 @@ def _update(
     return _accumulate.accumulate(collection.accumulation_steps, grads, local_sq, state, step)
 
 
-def _scale(collection: _Collection, n: int, replicas: int) -> Any:
+def _scale(collection: _options.Options, n: int, replicas: int) -> Any:
     """``S`` (``n`` by default); ``n = 1`` cannot estimate a variance for ``S > 1``."""
     S = n if collection.scale is None else collection.scale
     S_value = _checks.concrete_float(S)
@@ -196,14 +188,12 @@ def adascale(
     axis_name: str | tuple[str, ...] | None = None,
     accumulation_steps: int = 1,
     scale: float | None = None,
-    smoothing: float | None = None,
-    eps: float = 1e-6,
+    estimator: Any = None,
     param_labels: Any = None,
     param_specs: Any = None,
     shard_optimizer_state: int | None = None,
     delayed_gain: bool = False,
-    horizon: float | tuple[float, float] | None = None,
-    unbiased_sqr: bool = False,
+    **deprecated: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""AdaScale: scale a base-batch learning-rate schedule to ``S`` times larger batches.
 
@@ -215,9 +205,9 @@ def adascale(
 
        σ̂² = \frac{S}{n-1}(a - b), \qquad μ̂² = b - σ̂²/S,
 
-    smooths both with a debiased moving average (factor
-    ``θ = max(1 − n/1000, 0)`` by default) and takes the gain
-    ``r_t = (σ̄² + μ̄²)/(σ̄²/S + μ̄²) ∈ [1, S]``. The update is
+    keeps debiased moving averages of both (their memory is the
+    :class:`Estimator`'s: by default ``5 %`` of the base-batch steps done so far)
+    and takes the gain ``r_t = (σ̄² + μ̄²)/(σ̄²/S + μ̄²) ∈ [1, S]``. The update is
 
     .. math::
 
@@ -225,10 +215,10 @@ def adascale(
        \qquad τ_{t+1} = τ_t + r_t,
 
     so the schedule runs on the scale-invariant clock ``τ``: train until
-    ``τ ≥ T`` (the base-batch step budget), see :func:`done`.
-    The arithmetic is FairScale 0.4.13's ``AdaScale``, except that ``S = 1``
-    is the identity, a change of scale needs no state change, and the gain is
-    clipped to ``[1, S]``.
+    ``τ ≥ T`` (the base-batch step budget), see :func:`done`. With
+    ``estimator="fairscale"`` the arithmetic is FairScale 0.4.13's ``AdaScale``,
+    except that ``S = 1`` is the identity, a change of scale needs no state
+    change, and the gain is clipped to ``[1, S]``.
 
     ``update`` is called per replica with that replica's *local* gradient. It
     reduces the gradient and its squared norm in one ``lax.psum`` over
@@ -249,26 +239,27 @@ def adascale(
     ``init``. Transformations chained *before* AdaScale see per-replica
     gradients: clipping belongs inside ``inner``; ``optax.apply_if_finite`` is
     redundant there (AdaScale skips non-finite steps itself); for gradient
-    accumulation use ``accumulation_steps``, not ``optax.MultiSteps`` (rejected
-    inside ``inner``).
+    accumulation use ``accumulation_steps``, not ``optax.MultiSteps`` (refused
+    inside ``inner``, and around AdaScale at the first ``update``).
 
     A non-finite ``ḡ``, statistic or effective learning rate (or a negative
     one from the schedule) skips the update: zero updates, state unchanged
-    except ``skipped_steps``/``skip_streak`` (and a dropped accumulation window).
+    except the skip counters (and a dropped accumulation window).
 
     Args:
       inner: learning-rate-free direction, applied to the averaged gradient.
       learning_rate: a non-negative float or an optax schedule of the
         base-batch step; evaluated at ``⌊τ⌋``.
       axis_name: the data-parallel axis (a name or a tuple of names), or
-        ``None`` for a single replica.
+        ``None``: one replica, or statistics that arrive reduced (the GSPMD drop-in).
       accumulation_steps: ``k``: each call adds its gradient to per-replica
         buffers and returns zero updates; the ``k``-th call reduces once and
         steps. See :func:`state_axes` and :func:`state_partition_specs`.
       scale: ``S``, base batches per update. Defaults to ``n``; a sample
         (micro-batch) of ``m`` base batches means ``scale = m·n``.
-      smoothing: ``θ ∈ [0, 1)``; defaults to ``max(1 − n/1000, 0)``.
-      eps: floor of the per-step variance estimate.
+      estimator: an :class:`Estimator` (how long the moving averages remember),
+        ``"fairscale"`` for FairScale 0.4.13's estimator exactly, or ``None``
+        for ``Estimator()``.
       param_labels: optional labels shaped like the params (or
         ``params -> labels``), as in ``optax.multi_transform``: statistics and
         gains per group, each group's update scaled by its own gain; ``τ``
@@ -284,15 +275,9 @@ def adascale(
       delayed_gain: the gain of update ``t`` from the averages through update
         ``t − 1`` (the first update uses gain 1); this step's sample enters
         them afterwards. Saves the read of ``ḡ`` that a current-step gain
-        needs before the update; the default is FairScale's current-step gain.
-      horizon: ``H``, the memory of the moving averages in base-batch steps
-        (τ) instead of ``smoothing``: ``θ_t = exp(−r_{t−1}/H)``. A pair
-        ``(H_σ², H_μ²)`` gives the two averages their own memories. See the
-        docs ("A gain that keeps up").
-      unbiased_sqr: average each step's ``μ̂²`` unfloored and floor only the
-        average at 0. FairScale floors each step's estimate, which biases
-        ``μ̄²`` up (the gain down) once ``μ²`` is small next to its noise;
-        with ``horizon`` this tracks the true gain closely (see README).
+        needs before the update.
+      **deprecated: 0.2's ``smoothing``, ``eps``, ``horizon``, ``unbiased_sqr``:
+        fields of :class:`Estimator` now; they work and warn.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``update`` also accepts
@@ -322,93 +307,37 @@ def adascale(
       Johnson, Agrawal, Gu, Guestrin, `AdaScale SGD: A User-Friendly Algorithm
       for Distributed Training <https://arxiv.org/abs/2007.05105>`_, ICML 2020.
     """
-    return build(
-        inner,
-        learning_rate,
+    options = _options.create(
         axis_name=axis_name,
         accumulation_steps=accumulation_steps,
         scale=scale,
-        smoothing=smoothing,
-        eps=eps,
+        estimator=estimator,
         param_labels=param_labels,
         param_specs=param_specs,
         shard_optimizer_state=shard_optimizer_state,
         delayed_gain=delayed_gain,
-        horizon=horizon,
-        unbiased_sqr=unbiased_sqr,
+        deprecated=_options.unwrap(deprecated, "deprecated"),
     )
+    return build(inner, learning_rate, options)
 
 
 def build(
-    inner: optax.GradientTransformation,
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    axis_name: Any = None,
-    accumulation_steps: int = 1,
-    scale: Any = None,
-    smoothing: Any = None,
-    eps: Any = 1e-6,
-    param_labels: Any = None,
-    param_specs: Any = None,
-    shard_optimizer_state: int | None = None,
-    delayed_gain: bool = False,
-    horizon: Any = None,
-    unbiased_sqr: bool = False,
-    averaging: str = est.DEBIASED,
-    gain_exponent: float = 1.0,
-    precondition: Any = None,
-    memory_fraction: Any = None,
+    inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule, options: _options.Options
 ) -> optax.GradientTransformationExtraArgs:
-    """Every option checked and resolved once into typed parts; the transformation's closures."""
-    _checks.check_static_int("accumulation_steps", accumulation_steps)
-    _checks.check_number("scale", scale, low=1.0)
-    _checks.check_number("smoothing", smoothing, low=0.0, high=1.0, high_open=True)
-    _checks.check_number("eps", eps, low=0.0, low_open=True)
+    """The transformation's closures over checked options; the reduction strategy chosen once."""
     _checks.check_learning_rate(learning_rate)
-    _checks.check_choice("averaging", averaging, est.AVERAGING_MODES)
-    _checks.check_bool("delayed_gain", delayed_gain)
-    _checks.check_bool("unbiased_sqr", unbiased_sqr)
-    _checks.check_number("gain_exponent", gain_exponent, low=0.0, high=1.0)
-    horizons = _checks.check_horizon(horizon)
-    _checks.check_number("memory_fraction", memory_fraction, low=0.0, low_open=True)
-    if memory_fraction is not None and (horizon is not None or smoothing is not None):
-        raise ValueError(
-            f"memory_fraction={memory_fraction!r} sets the averages' memory; leave horizon and smoothing at None "
-            f"(got horizon={horizon!r}, smoothing={smoothing!r})."
-        )
-    if precondition is not None and not callable(precondition):
-        raise TypeError(f"precondition must be a function of inner's state, got precondition={precondition!r}")
-    if precondition is not None and shard_optimizer_state is not None:
-        raise ValueError("precondition is not supported with shard_optimizer_state")
     reduction: _reduce.AllReduce | _reduce.ZeroRows
-    if shard_optimizer_state is None:
+    if options.shard_optimizer_state is None:
         reduction = _reduce.AllReduce()
     else:
-        _checks.check_static_int("shard_optimizer_state", shard_optimizer_state)
-        if axis_name is None:
-            raise ValueError(
-                f"shard_optimizer_state={shard_optimizer_state!r} shards over the data axes, but axis_name=None; "
-                "pass the data-parallel axis_name."
-            )
-        reduction = _reduce.ZeroRows(shard_optimizer_state)
-    collection = _Collection(axis_name, accumulation_steps, scale, param_labels, param_specs, precondition)
-    estimator = est.Estimator(
-        eps=eps,
-        smoothing=smoothing,
-        horizon=horizons,
-        averaging=averaging,
-        unbiased_sqr=unbiased_sqr,
-        delayed_gain=delayed_gain,
-        gain_exponent=gain_exponent,
-        memory_fraction=memory_fraction,
-    )
+        reduction = _reduce.ZeroRows(options.shard_optimizer_state)
     inner = optax.with_extra_args_support(inner)
-    update = _step.Update(inner, learning_rate, estimator)
+    update = _step.Update(inner, learning_rate, options.settings, _checks.schedule_magnitude(learning_rate))
 
     def init_fn(params):
-        return _init(collection, reduction, inner, params)
+        return _init(options, reduction, inner, params)
 
     def update_fn(updates, state, params=None, *, microbatch_stats=None, **extra_args):
-        return _update(collection, update, reduction, updates, state, params, microbatch_stats, extra_args)
+        return _update(options, update, reduction, updates, state, params, microbatch_stats, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

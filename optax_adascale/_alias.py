@@ -5,7 +5,7 @@ from typing import Any
 import jax
 import optax
 
-from optax_adascale import _checks
+from optax_adascale import _checks, _options
 from optax_adascale._adascale import adascale
 
 
@@ -36,38 +36,29 @@ def adascale_sgd(
     axis_name: str | tuple[str, ...] | None = None,
     accumulation_steps: int = 1,
     scale: float | None = None,
-    smoothing: float | None = None,
-    eps: float = 1e-6,
-    param_labels: Any = None,
-    shard_optimizer_state: int | None = None,
-    delayed_gain: bool = False,
+    estimator: Any = None,
+    **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around SGD with PyTorch's semantics (FairScale's ``AdaScale(SGD(...))``).
 
     ``weight_decay`` is added to the *averaged* gradient before momentum
     (``d = ḡ + wd·p``; ``m ← μm + d``; Nesterov uses ``d + μm``) and is never
-    part of the gain statistics; the step is ``−r_t·lr(⌊τ_t⌋)·m``. The
-    AdaScale options are the ones most users set; for the rest (``param_specs``,
-    ``horizon``, ``unbiased_sqr``) use :func:`adascale` with
-    ``inner = optax.chain(optax.add_decayed_weights(wd), optax.trace(μ))``.
-    Every argument is an explicit keyword, so
-    ``optax.inject_hyperparams(adascale_sgd, static_args=("learning_rate",
-    "nesterov", "axis_name", "accumulation_steps", ...))`` works (keep
-    ``learning_rate`` static when it is a schedule, so that it runs on ``τ``).
+    part of the gain statistics; the step is ``−r_t·lr(⌊τ_t⌋)·m``. It is
+    :func:`adascale` with ``inner = optax.chain(optax.add_decayed_weights(wd),
+    optax.trace(μ))``: SGD's keywords, the four AdaScale options most users set,
+    and any other keyword of :func:`adascale` (``param_labels``,
+    ``shard_optimizer_state``, ``delayed_gain``, ``param_specs``).
 
     Args:
       learning_rate: float or schedule of the base-batch step, evaluated at ``⌊τ⌋``.
       momentum: PyTorch momentum ``μ``, or ``None`` for plain SGD.
       nesterov: Nesterov momentum (requires ``momentum``).
       weight_decay: L2 coefficient added to the averaged gradient.
-      axis_name: the data-parallel axis (a name or a tuple of names), or ``None``.
-      accumulation_steps: calls accumulated per update (see :func:`adascale`).
-      scale: ``S``, base batches per update; defaults to the number of samples ``n``.
-      smoothing: ``θ ∈ [0, 1)`` of the moving averages; defaults to ``max(1 − n/1000, 0)``.
-      eps: floor of the per-step variance estimate (AdaScale's, not an SGD option).
-      param_labels: labels shaped like the params: a gain per group (see :func:`adascale`).
-      shard_optimizer_state: ``n``, the data-parallel size, for the ZeRO layout (see :func:`adascale`).
-      delayed_gain: the gain of update ``t`` from the averages through ``t − 1`` (see :func:`adascale`).
+      axis_name: as in :func:`adascale`.
+      accumulation_steps: as in :func:`adascale`.
+      scale: as in :func:`adascale`.
+      estimator: as in :func:`adascale`.
+      **options: any other keyword of :func:`adascale`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -100,11 +91,8 @@ def adascale_sgd(
         axis_name=axis_name,
         accumulation_steps=accumulation_steps,
         scale=scale,
-        smoothing=smoothing,
-        eps=eps,
-        param_labels=param_labels,
-        shard_optimizer_state=shard_optimizer_state,
-        delayed_gain=delayed_gain,
+        estimator=estimator,
+        **_options.unwrap(options, "options"),
     )
 
 
@@ -122,11 +110,8 @@ def adascale_adamw(
     axis_name: str | tuple[str, ...] | None = None,
     accumulation_steps: int = 1,
     scale: float | None = None,
-    smoothing: float | None = None,
-    variance_eps: float = 1e-6,
-    param_labels: Any = None,
-    shard_optimizer_state: int | None = None,
-    delayed_gain: bool = False,
+    estimator: Any = None,
+    **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around AdamW (experimental): ``optax.adamw``'s keywords, the gain from the raw gradients.
 
@@ -147,20 +132,17 @@ def adascale_adamw(
       learning_rate: float or schedule of the base-batch step.
       b1: see ``optax.adamw``.
       b2: see ``optax.adamw``.
-      eps: Adam's ``ε`` (see ``optax.adamw``); AdaScale's variance floor is ``variance_eps``.
+      eps: Adam's ``ε`` (see ``optax.adamw``); AdaScale's variance floor is ``Estimator.eps``.
       eps_root: see ``optax.adamw``.
       mu_dtype: see ``optax.adamw``.
       weight_decay: decoupled weight decay (see ``optax.adamw``).
       mask: see ``optax.adamw``.
       nesterov: see ``optax.adamw``.
-      axis_name: the data-parallel axis (a name or a tuple of names), or ``None``.
-      accumulation_steps: calls accumulated per update (see :func:`adascale`).
-      scale: ``S``, base batches per update; defaults to the number of samples ``n``.
-      smoothing: ``θ ∈ [0, 1)`` of the moving averages; defaults to ``max(1 − n/1000, 0)``.
-      variance_eps: floor of the per-step variance estimate (:func:`adascale`'s ``eps``).
-      param_labels: labels shaped like the params: a gain per group (see :func:`adascale`).
-      shard_optimizer_state: ``n``, the data-parallel size, for the ZeRO layout (see :func:`adascale`).
-      delayed_gain: the gain of update ``t`` from the averages through ``t − 1`` (see :func:`adascale`).
+      axis_name: as in :func:`adascale`.
+      accumulation_steps: as in :func:`adascale`.
+      scale: as in :func:`adascale`.
+      estimator: as in :func:`adascale`.
+      **options: any other keyword of :func:`adascale`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -186,9 +168,6 @@ def adascale_adamw(
         axis_name=axis_name,
         accumulation_steps=accumulation_steps,
         scale=scale,
-        smoothing=smoothing,
-        eps=variance_eps,
-        param_labels=param_labels,
-        shard_optimizer_state=shard_optimizer_state,
-        delayed_gain=delayed_gain,
+        estimator=estimator,
+        **_options.unwrap(options, "options"),
     )

@@ -86,8 +86,8 @@ def check_number(
     if x is None:
         raise TypeError(f"{name} must be a real number, got {name}={value!r}")
     kind = "an integer" if integer else "finite"
-    left = "(" if low_open else "["
-    right = ")" if high_open else "]"
+    left = "(" if low_open or low is None else "["  # an infinite end is never included: values are finite
+    right = ")" if high_open or high is None else "]"
     interval = f"{left}{'-inf' if low is None else low}, {'inf' if high is None else high}{right}"
     bad = not math.isfinite(x) or (integer and x != int(x))
     bad = bad or (low is not None and (x < low or (low_open and x == low)))
@@ -135,6 +135,24 @@ def check_learning_rate(learning_rate: Any) -> None:
             "learning_rate=0: every update is zero, so the parameters never move while τ still "
             "advances. Pass the base-batch learning rate (or a schedule)."
         )
+
+
+def schedule_magnitude(learning_rate: Any) -> float:
+    """The largest ``|lr|`` of a schedule over base steps 0 … 10⁸ (sampled), or of a constant; 0 if unknown.
+
+    Evaluated once at construction, on the host (``jax.ensure_compile_time_eval``):
+    the scale against which a negative value counts as float rounding.
+    """
+    points = np.unique(np.concatenate([np.arange(64), np.geomspace(64, 1e8, 200).astype(np.int64)]))
+    try:
+        with jax.ensure_compile_time_eval():
+            values = np.asarray(
+                learning_rate(jnp.asarray(points, jnp.int32)) if callable(learning_rate) else learning_rate, np.float64
+            )
+    except Exception:  # noqa: BLE001 - a schedule that cannot run on the host: no rounding tolerance
+        return 0.0
+    values = values[np.isfinite(values)]
+    return float(np.max(np.abs(values))) if values.size else 0.0
 
 
 def _injected_schedule(value: Any) -> str | None:

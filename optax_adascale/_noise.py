@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale import _checks, _collect, _norms
+from optax_adascale import _checks, _collect, _norms, _options
 from optax_adascale import _estimator as est
 from optax_adascale._microbatch import MicrobatchStats
 
@@ -39,6 +39,10 @@ class NoiseScaleState(NamedTuple):
       examples_per_sample: float32 ``[]``, examples in one base batch
         (``batch_size / n`` of the last update); NaN without ``batch_size``.
       tokens_per_example: float32 ``[]``, as given; NaN without it.
+      gain: float32 ``[]``, the gain AdaScale would apply at ``S = n``, from these
+        averages (1 before the first estimate): the clock of the estimator's memory.
+      tau: float32 ``[]``, the sum of those gains (base batches' worth of progress),
+        which a memory of ``c·τ`` (the default :class:`Estimator`) reads.
     """
 
     count: Array  # type: ignore[assignment]  # a field named like tuple.count, as optax's states do
@@ -47,6 +51,8 @@ class NoiseScaleState(NamedTuple):
     ema_weight: Array
     examples_per_sample: Array
     tokens_per_example: Array
+    gain: Array
+    tau: Array
 
 
 def noise_scale_monitor(
@@ -54,21 +60,22 @@ def noise_scale_monitor(
     axis_name: str | tuple[str, ...] | None = None,
     batch_size: int | None = None,
     tokens_per_example: float | None = None,
-    smoothing: float | None = None,
+    estimator: Any = None,
+    **deprecated: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Log the gradient noise scale (critical batch size) of any optimizer; the gradients pass unchanged.
 
     Each update averages ``n`` gradient samples ``g_i`` (data shards ×
     micro-batches). From ``a = mean_i ‖g_i‖²`` (``microbatch_stats``) and
-    ``b = ‖ḡ‖²`` (the gradients given to ``update``) it estimates, per base
-    batch (one sample),
+    ``b = ‖ḡ‖²`` it estimates, per base batch (one sample),
 
     .. math::
 
        σ̂² = \frac{n}{n-1}(a - b), \qquad μ̂² = b - σ̂²/n,
 
-    floors both at 0, and keeps FairScale's debiased moving averages, as
-    :func:`adascale` does (``θ = max(1 − n/1000, 0)`` by default). The noise scale
+    and keeps their moving averages exactly as :func:`adascale` does with the
+    same ``estimator`` (at ``S = n``; by default a memory of 5 % of the progress
+    so far, counted in the base batches' worth that AdaScale's gain would give). The noise scale
     ``B_simple = σ̄²/μ̄²`` is the batch (in base batches) at which the gradient's
     noise equals its signal; times the examples per sample it is McCandlish et
     al.'s ``tr(Σ)/|G|²`` in examples. Read it with
@@ -80,11 +87,15 @@ def noise_scale_monitor(
     * ``axis_name=None``: ``grads`` and ``microbatch_stats`` are already reduced
       over the data shards, as :func:`value_and_grad` returns them under
       ``jax.jit`` over the global batch (``data_axes=...``).
-    * ``axis_name`` set (``pmap``, ``shard_map``, ``vmap``): ``grads`` is the
-      *averaged* gradient your optimizer gets (after your ``lax.pmean``) and
-      ``microbatch_stats`` is this replica's, from
-      ``value_and_grad(loss_fn)`` (``data_axes=None``) taken before the pmean.
-      The monitor adds one scalar-sized ``pmean``, nothing gradient-sized.
+    * ``axis_name`` set (``pmap``, ``shard_map``, ``vmap``): as for
+      :func:`adascale`, ``axis_name`` is the axis the monitor *reduces over*:
+      give it this replica's gradient and ``microbatch_stats`` (from
+      ``value_and_grad(loss_fn)``, ``data_axes=None``); it averages both in one
+      ``lax.pmean`` and hands the averaged gradient on, so no ``pmean`` of your
+      own is needed (one that was already applied is harmless: the mean of
+      identical values). Under ``shard_map`` with ``check_vma=True`` gradients
+      that no longer vary over the axis are known to be averaged and are not
+      reduced again.
 
     One sample per update (``n = 1``: one device, no micro-batches) has no
     spread to measure: the monitor warns once at trace time, leaves its
@@ -100,13 +111,14 @@ def noise_scale_monitor(
         a multiple of ``n``.
       tokens_per_example: tokens in one example (e.g. the sequence length), for
         ``noise_scale_tokens``.
-      smoothing: ``θ ∈ [0, 1)`` of the moving averages; defaults to
-        ``max(1 − n/1000, 0)``.
+      estimator: as in :func:`adascale`: an :class:`Estimator`, ``"fairscale"``
+        or ``None`` (``Estimator()``).
+      **deprecated: 0.2's ``smoothing=θ`` (now ``Estimator(smoothing=θ, unbiased_sqr=False)``); warns.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
-      params=None, *, microbatch_stats, **extra_args)`` returns ``grads``
-      unchanged. Chain it before your optimizer:
+      params=None, *, microbatch_stats, **extra_args)`` returns the averaged
+      gradient (``grads`` itself without ``axis_name``). Chain it before your optimizer:
       ``optax.chain(noise_scale_monitor(...), optax.adamw(1e-3))``; ``optax.chain``
       forwards ``microbatch_stats=`` to it and optimizers without extra
       arguments ignore it.
@@ -135,7 +147,16 @@ def noise_scale_monitor(
     if batch_size is not None:
         _checks.check_static_int("batch_size", batch_size)
     _checks.check_number("tokens_per_example", tokens_per_example, low=0.0, low_open=True)
-    _checks.check_number("smoothing", smoothing, low=0.0, high=1.0, high_open=True)
+    settings = est.Settings(
+        _options.create(
+            estimator=estimator, deprecated=_options.unwrap(deprecated, "deprecated"), factory="noise_scale_monitor"
+        ).estimator
+    )
+    if isinstance(settings.estimator.horizon, tuple):
+        raise ValueError(
+            f"noise_scale_monitor keeps one memory for both averages: pass one horizon, got "
+            f"horizon={settings.estimator.horizon!r}"
+        )
     nan = float("nan")
 
     def init_fn(params):
@@ -148,17 +169,19 @@ def noise_scale_monitor(
             ema_weight=zero(),
             examples_per_sample=jnp.full([], nan, jnp.float32),
             tokens_per_example=jnp.full([], nan if tokens_per_example is None else tokens_per_example, jnp.float32),
+            gain=jnp.ones([], jnp.float32),
+            tau=zero(),
         )
 
     def update_fn(updates, state, params=None, *, microbatch_stats=None, **extra_args):
         del extra_args
         with jax.named_scope("noise_scale_monitor"):
-            return updates, _update(axis_name, batch_size, smoothing, updates, state, params, microbatch_stats)
+            return _update(axis_name, batch_size, settings, updates, state, params, microbatch_stats)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _update(axis_name, batch_size, smoothing, grads, state, params, stats) -> NoiseScaleState:
+def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tuple[Any, NoiseScaleState]:
     if stats is None:
         raise TypeError(
             "noise_scale_monitor needs the samples' statistics: tx.update(grads, opt_state, params, "
@@ -166,7 +189,6 @@ def _update(axis_name, batch_size, smoothing, grads, state, params, stats) -> No
         )
     if not isinstance(stats, MicrobatchStats):
         raise TypeError(f"microbatch_stats must be a MicrobatchStats, got {type(stats).__name__}")
-    _check_averaged(grads, axis_name)
     try:
         sq_leaves = jax.tree.structure(grads).flatten_up_to(stats.sq_norms)
     except (ValueError, TypeError) as err:
@@ -180,6 +202,13 @@ def _update(axis_name, batch_size, smoothing, grads, state, params, stats) -> No
                 "(data shards × micro-batches): batch_size is the global batch of one update"
             )
         examples = jnp.full([], batch_size // n, jnp.float32)
+    model = _collect.model_axes(grads, params, axis_name)
+    a: Any = sum(model.mask([jnp.asarray(s, jnp.float32) for s in sq_leaves]))
+    if axis_name is not None:  # the one collective: the gradients (unless known averaged) and the scalar a
+        if _averaged(grads, axis_name):
+            a = lax.pmean(a, axis_name)
+        else:
+            grads, a = lax.pmean((grads, a), axis_name)
     if n == 1:
         warnings.warn(
             "noise_scale_monitor sees n = 1 gradient sample per update: one sample has no spread, so the noise "
@@ -187,44 +216,39 @@ def _update(axis_name, batch_size, smoothing, grads, state, params, stats) -> No
             "(optax_adascale.value_and_grad(loss_fn, num_microbatches=2)) or use several data shards.",
             stacklevel=4,
         )
-        return state._replace(examples_per_sample=examples)
-
-    model = _collect.model_axes(grads, params, axis_name)
-    a: Any = sum(model.mask([jnp.asarray(s, jnp.float32) for s in sq_leaves]))
+        return grads, state._replace(examples_per_sample=examples)
     b: Any = sum(model.mask([_norms.leaf_sq_norm(g) for g in jax.tree.leaves(grads)]))
     if model.axes:
         a, b = model.psum((a, b))
-    if axis_name is not None:
-        a = lax.pmean(a, axis_name)  # the one collective: a scalar
 
-    var_t, sqr_t = est.step_moments(a, b, n, n, 0.0)
-    theta = est.default_smoothing(n) if smoothing is None else smoothing
+    var_t, sqr_t = est.step_moments(a, b, n, n, settings.eps, floor_sqr=not settings.unbiased_sqr)
+    theta_var, theta_sqr = settings.smoothings(n, state.gain, state.tau)
     count = optax.safe_increment(state.count)
-    alpha, weight = est.ema_rate(count, state.ema_weight, theta)
-    ok = jnp.isfinite(a) & jnp.isfinite(b)
+    alpha_var, weight = est.ema_rate(count, state.ema_weight, theta_var)
+    alpha_sqr, _ = est.ema_rate(count, state.ema_weight, theta_sqr)
+    grad_var = est.ema_update(state.grad_var, var_t, alpha_var)
+    grad_sqr = est.ema_update(state.grad_sqr, sqr_t, alpha_sqr)
+    gain = est.gain_ratio(grad_var, grad_sqr, n)
+    ok = jnp.isfinite(a) & jnp.isfinite(b) & jnp.isfinite(grad_var) & jnp.isfinite(grad_sqr)
     keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-    return NoiseScaleState(
+    return grads, NoiseScaleState(
         count=keep(count, state.count),
-        grad_sqr=keep(est.ema_update(state.grad_sqr, sqr_t, alpha), state.grad_sqr),
-        grad_var=keep(est.ema_update(state.grad_var, var_t, alpha), state.grad_var),
+        grad_sqr=keep(grad_sqr, state.grad_sqr),
+        grad_var=keep(grad_var, state.grad_var),
         ema_weight=keep(weight, state.ema_weight),
         examples_per_sample=examples,
         tokens_per_example=state.tokens_per_example,
+        gain=keep(gain, state.gain),
+        tau=keep(state.tau + gain, state.tau),
     )
 
 
-def _check_averaged(grads: Any, axis_name: Any) -> None:
-    """Raise where shard_map's types show per-replica gradients: the monitor expects the averaged ``ḡ``."""
-    for name in _collect.axis_names(axis_name):
-        if not _collect.vma_checked(name):
-            continue
-        for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
-            if name in _collect.varying_axes(leaf):
-                raise ValueError(
-                    f"grads{jax.tree_util.keystr(path)} varies over the data axis {name!r}: noise_scale_monitor "
-                    "passes its gradients on to your optimizer unchanged, so give it the averaged gradient, "
-                    f"jax.lax.pmean(grads, {name!r}), and this replica's microbatch_stats."
-                )
+def _averaged(grads: Any, axis_name: Any) -> bool:
+    """Whether shard_map's types show the gradients already averaged (unvarying over every data axis)."""
+    names = _collect.axis_names(axis_name)
+    if not all(_collect.vma_checked(name) for name in names):
+        return False
+    return all(name not in _collect.varying_axes(leaf) for leaf in jax.tree.leaves(grads) for name in names)
 
 
 # --------------------------------------------------------------------------- reading
@@ -245,13 +269,17 @@ def get_noise_state(opt_state: Any) -> NoiseScaleState:
     return found[0]
 
 
+_NOISE_REQUIRED = ("count", "grad_sqr", "grad_var", "ema_weight", "examples_per_sample", "tokens_per_example")
+
+
 def _search(node: Any, found: list[NoiseScaleState]) -> None:
     if isinstance(node, NoiseScaleState):
         found.append(node)
         return
     if isinstance(node, Mapping):
-        if set(NoiseScaleState._fields) <= set(node.keys()):
-            found.append(NoiseScaleState(**{f: node[f] for f in NoiseScaleState._fields}))
+        if set(_NOISE_REQUIRED) <= set(node.keys()):  # 0.2 checkpoints have no gain or tau: 1 and 0
+            defaults = {"gain": jnp.ones([], jnp.float32), "tau": jnp.zeros([], jnp.float32)}
+            found.append(NoiseScaleState(**{f: node.get(f, defaults.get(f)) for f in NoiseScaleState._fields}))
             return
         children = list(node.values())
     elif isinstance(node, (list, tuple)):

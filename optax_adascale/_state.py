@@ -25,7 +25,7 @@ _PER_REPLICA_FIELDS = ("acc_grads", "acc_sq_norm")
 # Fields renamed since 0.1.0 checkpoints: old name -> new name.
 _RENAMED = {"learning_rate": "effective_lr", "group_gain": "group_gains"}
 # Fields added since: a checkpoint without them restores them as zeros.
-_ADDED = ("base_lr", "sqr_weight", "skip_streak", "floored_steps")
+_ADDED = ("base_lr", "sqr_weight", "skip_streak", "floored_steps", "negative_lr_steps")
 # Fields a restored or NNX-split state always has (containers that may be empty can be dropped).
 _REQUIRED = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "scale", "skipped_steps", "micro_step")
 
@@ -141,7 +141,9 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     Keys: ``gain`` (``r_t``), ``scale_invariant_steps`` (``τ``), ``grad_sqr``
     (``μ̄²``), ``grad_var`` (``σ̄²``, base-batch units), ``learning_rate``
     (``r_t·lr(⌊τ_t⌋)``, the step actually taken), ``base_learning_rate``
-    (``lr(⌊τ_t⌋)``, the schedule's value), ``scale`` (``S``), ``skipped_steps``,
+    (``lr(⌊τ_t⌋)``, the schedule's value), ``scale`` (``S``), ``skipped_steps``
+    (and why: ``skipped_nonfinite_steps`` for non-finite gradients, statistics or
+    learning rates, ``skipped_negative_lr_steps`` for a negative learning rate),
     ``floored_steps`` (applied updates whose variance estimate was zero up to
     rounding: if it grows with ``count``, the replicas see identical
     gradients — typically gradients averaged *before* ``update``),
@@ -181,6 +183,8 @@ def metrics(opt_state: Any) -> dict[str, Any]:
         "base_learning_rate": _value(s.base_lr),
         "scale": _value(s.scale),
         "skipped_steps": _value(s.skipped_steps),
+        "skipped_nonfinite_steps": _value(s.skipped_steps) - _value(s.negative_lr_steps),
+        "skipped_negative_lr_steps": _value(s.negative_lr_steps),
         "floored_steps": _value(s.floored_steps),
         "noise_scale": _noise_scale(s),
     }

@@ -21,11 +21,17 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Update:
-    """What one update does once the statistics are reduced: ``inner``, the schedule, the estimator."""
+    """What one update does once the statistics are reduced: ``inner``, the schedule, the estimator.
+
+    ``lr_magnitude``: the schedule's largest ``|lr|`` found at construction (0 if unknown); a
+    negative value within ``1e-6`` of it is float rounding (``linear_schedule(lr, 0, n)`` under jit
+    gives ``−7e-10`` past ``n``) and counts as 0.
+    """
 
     inner: optax.GradientTransformationExtraArgs
     learning_rate: Any
-    estimator: est.Estimator
+    estimator: est.Settings
+    lr_magnitude: float = 0.0
 
 
 class Shape(NamedTuple):
@@ -51,7 +57,7 @@ class _Statistics(NamedTuple):
     ok: Array  # bool: every statistic the step depends on is finite
 
 
-def _statistics(estimator: est.Estimator, shape: Shape, a: Array, b: Array, state) -> _Statistics:
+def _statistics(estimator: est.Settings, shape: Shape, a: Array, b: Array, state) -> _Statistics:
     """σ̂², μ̂² of this step, the moving averages, and the gain (of this step, or of the last with ``delayed_gain``)."""
     groups, n, S = shape.groups, shape.n, shape.S
     old_var, old_sqr = groups.unpack(state.grad_var), groups.unpack(state.grad_sqr)
@@ -100,14 +106,19 @@ def _statistics(estimator: est.Estimator, shape: Shape, a: Array, b: Array, stat
     return _Statistics(count, weight, sqr_weight, grad_var, grad_sqr, gain, group_gains, floored, ok)
 
 
-def _learning_rates(update: Update, stats: _Statistics, tau_whole: Array) -> tuple[Array, Array, Array, Array]:
-    """``lr(⌊τ⌋)``, the step ``r·lr``, each group's step, and whether they are usable (finite, ``lr ≥ 0``)."""
+def _learning_rates(update: Update, stats: _Statistics, tau_whole: Array) -> tuple[Array, Array, Array, Array, Array]:
+    """``lr(⌊τ⌋)``, the step ``r·lr``, each group's step, whether they are finite, whether ``lr < 0``.
+
+    A negative ``lr`` within float rounding of zero (``1e-6`` of the schedule's magnitude) is zero.
+    """
     schedule = update.learning_rate
     lr = jnp.asarray(schedule(tau_whole) if callable(schedule) else schedule, jnp.float32)
+    if update.lr_magnitude > 0:
+        lr = jnp.where((lr < 0) & (lr >= -1e-6 * update.lr_magnitude), jnp.zeros_like(lr), lr)
     step_size = update.estimator.step_size(stats.gain, lr)
     group_steps = update.estimator.step_size(stats.group_gains, lr)
-    ok = jnp.isfinite(step_size) & jnp.all(jnp.isfinite(group_steps)) & (lr >= 0)
-    return lr, step_size, group_steps, ok
+    finite = jnp.isfinite(step_size) & jnp.all(jnp.isfinite(group_steps))
+    return lr, step_size, group_steps, finite, finite & (lr < 0)
 
 
 def _run_inner(inner, mean_grads, inner_state, params, extra_args):
@@ -172,8 +183,9 @@ def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_a
     with jax.named_scope("adascale/statistics"):
         stats = _statistics(update.estimator, shape, a, b, state)
     with jax.named_scope("adascale/learning_rate"):
-        lr, step_size, group_steps, lr_ok = _learning_rates(update, stats, state.tau_whole)
-        ok = stats.ok & lr_ok
+        lr, step_size, group_steps, lr_finite, negative = _learning_rates(update, stats, state.tau_whole)
+        ok = stats.ok & lr_finite & ~negative
+        negative = stats.ok & negative  # the reason recorded: non-finite statistics take precedence
     inner_updates, inner_state = _run_inner(update.inner, mean_grads, state.inner_state, params, extra_args)
     with jax.named_scope("adascale/scale_updates"):
         kept_inner_state = optax.tree.where(ok, inner_state, state.inner_state)
@@ -181,11 +193,11 @@ def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_a
         scaled = _scale_updates(leaves, group_steps, groups.leaf_group, ok)
         new_updates = jax.tree.structure(inner_updates).unflatten(scaled)
     with jax.named_scope("adascale/state"):
-        new_state = _next_state(shape, state, stats, lr, step_size, ok)
+        new_state = _next_state(shape, state, stats, lr, step_size, ok, negative)
     return new_updates, new_state._replace(inner_state=kept_inner_state, acc_grads=buffers[0], acc_sq_norm=buffers[1])
 
 
-def _next_state(shape: Shape, state, stats: _Statistics, lr, step_size, ok):
+def _next_state(shape: Shape, state, stats: _Statistics, lr, step_size, ok, negative):
     """The scalar state after an applied update where ``ok``, else the old one with the skip counted."""
     groups = shape.groups
     tau_whole, tau_frac = est.advance_tau(state.tau_whole, state.tau_frac, stats.gain)
@@ -208,6 +220,7 @@ def _next_state(shape: Shape, state, stats: _Statistics, lr, step_size, ok):
     )
     skipped = state._replace(
         skipped_steps=optax.safe_increment(state.skipped_steps),
+        negative_lr_steps=jnp.where(negative, optax.safe_increment(state.negative_lr_steps), state.negative_lr_steps),
         skip_streak=optax.safe_increment(state.skip_streak),
         inner_state=None,
     )

@@ -1,9 +1,11 @@
 """The public API: pinned names, docstrings, and no Flax import at the top level."""
 
 import inspect
+import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import optax
 import pytest
 
@@ -24,57 +26,75 @@ def test_every_public_name_has_a_docstring():
         assert inspect.getdoc(getattr(optax_adascale.scaling_rules, name)), name
 
 
-def test_factories_take_explicit_keywords_only_after_the_optimizer_arguments():
-    for fn in (optax_adascale.adascale, optax_adascale.adascale_sgd):
-        params = inspect.signature(fn).parameters.values()
-        assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params), fn.__name__
-    keywords = {
-        "axis_name",
-        "accumulation_steps",
-        "scale",
-        "smoothing",
-        "eps",
-        "param_labels",
-        "shard_optimizer_state",
-        "delayed_gain",
-    }
-    for fn in (optax_adascale.adascale, optax_adascale.adascale_sgd):
-        params = inspect.signature(fn).parameters
-        assert keywords <= set(params), fn.__name__
-        assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in keywords), fn.__name__
-    positional = list(inspect.signature(optax_adascale.adascale_sgd).parameters)[:4]
-    assert positional == ["learning_rate", "momentum", "nesterov", "weight_decay"]
-    assert isinstance(optax_adascale.adascale_sgd(0.1), optax.GradientTransformationExtraArgs)
-
-
 ADASCALE_OPTIONS = {  # the main factory's options and their defaults: every other factory spells them so
     name: param.default
     for name, param in inspect.signature(optax_adascale.adascale).parameters.items()
     if param.kind is inspect.Parameter.KEYWORD_ONLY
 }
+MOST_SET = ("axis_name", "accumulation_steps", "scale", "estimator")  # the aliases' explicit AdaScale options
+
+
+def test_adascale_takes_at_most_nine_explicit_keywords_and_catches_only_0_2_spellings():
+    params = inspect.signature(optax_adascale.adascale).parameters
+    assert list(params)[:2] == ["inner", "learning_rate"]
+    assert len(ADASCALE_OPTIONS) <= 9 and set(MOST_SET) <= set(ADASCALE_OPTIONS)
+    assert [p.kind for p in params.values()][-1] is inspect.Parameter.VAR_KEYWORD
+    with pytest.raises(TypeError, match="unexpected keyword argument 'smoothings'"):
+        optax_adascale.adascale(optax.identity(), 0.1, smoothings=0.9)
 
 
 @pytest.mark.parametrize(
-    "factory",
-    [optax_adascale.adascale_sgd, optax_adascale.adascale_adamw, optax_adascale.experimental.adascale],
-    ids=["adascale_sgd", "adascale_adamw", "experimental.adascale"],
+    "factory, own",
+    [
+        (optax_adascale.adascale_sgd, ["learning_rate", "momentum", "nesterov", "weight_decay"]),
+        (
+            optax_adascale.adascale_adamw,
+            ["learning_rate", "b1", "b2", "eps", "eps_root", "mu_dtype", "weight_decay", "mask", "nesterov"],
+        ),
+    ],
+    ids=["adascale_sgd", "adascale_adamw"],
 )
-def test_every_factory_spells_each_adascale_option_one_way(factory):
-    # The one exception: adascale_adamw's `eps` is Adam's ε, so AdaScale's floor is `variance_eps` there.
-    renamed = {"variance_eps": "eps"} if factory is optax_adascale.adascale_adamw else {}
+def test_aliases_take_their_optimizers_keywords_plus_four_adascale_options(factory, own):
     params = inspect.signature(factory).parameters
-    own = {"nesterov"} if factory is optax_adascale.adascale_adamw else set()  # optax.adamw's keyword-only one
-    for name, param in params.items():
-        option = renamed.get(name, name)
-        if param.kind is not inspect.Parameter.KEYWORD_ONLY or name in own:
-            continue
-        if option in ADASCALE_OPTIONS:
-            assert param.default == ADASCALE_OPTIONS[option], (factory.__name__, name)
-        else:  # only the experiments may add options, and only in optax_adascale.experimental
-            assert factory is optax_adascale.experimental.adascale, (factory.__name__, name)
-            assert name in {"averaging", "gain_exponent", "precondition", "memory_fraction"}, name
-    experiments = {"averaging", "gain_exponent", "precondition", "memory_fraction"}
-    assert not ({"variance_eps", "fsdp_sq_norms"} | experiments) & set(ADASCALE_OPTIONS)
+    named = [n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    assert named == own + list(MOST_SET)
+    assert all(params[k].default == ADASCALE_OPTIONS[k] for k in MOST_SET)
+    # Every other option of adascale reaches it through **options.
+    tx = factory(0.1, axis_name="i", param_labels={"w": "a"}, delayed_gain=True, shard_optimizer_state=None)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'momentun'"):
+        factory(0.1, momentun=0.9)
+
+
+@pytest.mark.parametrize(
+    "name, value, spelled",
+    [
+        ("smoothing", 0.99, "Estimator(smoothing=0.99, unbiased_sqr=False)"),
+        ("horizon", 50.0, "Estimator(horizon=50.0, unbiased_sqr=False)"),
+        ("unbiased_sqr", True, "Estimator(unbiased_sqr=True)"),
+        ("eps", 1e-5, "Estimator(eps=1e-05)"),
+    ],
+)
+def test_the_0_2_estimator_keywords_work_and_warn_with_the_new_spelling(name, value, spelled):
+    for factory in (optax_adascale.adascale_sgd, lambda lr, **kw: optax_adascale.adascale(optax.identity(), lr, **kw)):
+        with pytest.warns(DeprecationWarning, match=re.escape(f"estimator=optax_adascale.{spelled}")):
+            factory(0.1, **{name: value})
+    with pytest.raises(ValueError, match="estimator= only"):
+        optax_adascale.adascale_sgd(0.1, estimator="fairscale", **{name: value})
+
+
+def test_inject_hyperparams_works_with_the_explicit_keywords_static_and_options_passed_through():
+    inject = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("learning_rate", "accumulation_steps"))
+    tx = inject(
+        learning_rate=optax.linear_schedule(0.1, 0.0, 10),
+        momentum=0.9,
+        accumulation_steps=2,
+        param_labels={"w": "a"},
+        estimator="fairscale",
+    )
+    state = tx.init({"w": jnp.zeros(2)})
+    assert float(state.hyperparams["momentum"]) == pytest.approx(0.9)
+    assert optax_adascale.get_adascale_state(state).group_gains.keys() == {"a"}
 
 
 def test_value_and_grad_has_the_pinned_keywords_and_update_takes_one_statistics_keyword():
@@ -93,7 +113,13 @@ def test_learning_rate_is_annotated_as_optax_scalar_or_schedule():
 
 
 PINNED_METRICS = {"gain", "scale_invariant_steps", "grad_sqr", "grad_var", "learning_rate", "scale", "skipped_steps"}
-DOCUMENTED_METRICS = {"base_learning_rate", "floored_steps", "noise_scale"}
+DOCUMENTED_METRICS = {
+    "base_learning_rate",
+    "floored_steps",
+    "noise_scale",
+    "skipped_nonfinite_steps",
+    "skipped_negative_lr_steps",
+}
 
 
 def test_metrics_keys_are_the_pinned_ones_plus_documented_additions():

@@ -356,6 +356,30 @@ def test_a_checkpoint_written_with_the_0_1_0_field_names_restores_and_resumes(tm
     assert_trees_equal(optax_adascale.metrics(a), optax_adascale.metrics(b))
 
 
+def test_a_0_2_0_checkpoint_restores_and_continues_with_the_new_default_estimator(tmp_path):
+    # 0.2.0 trained with FairScale's estimator and had no negative_lr_steps field. Its checkpoint restores
+    # (without a target), moves into the new default's fresh state, and the next update is the default
+    # estimator's update of the carried averages (its memory, 0.05·τ, reads the carried τ).
+    old = Replicas("vmap", 4, make_tx(SCHEDULE, axis_name=AXIS, estimator="fairscale"))
+    params, opt_state = old.init(init_params())
+    params, opt_state, _ = old.run(params, opt_state, range(5))
+    fields = optax_adascale.get_adascale_state(opt_state)._asdict()
+    del fields["negative_lr_steps"]
+    save(tmp_path / "ckpt", {"params": params, "opt_state": fields})
+    raw = restore(tmp_path / "ckpt")
+    assert int(optax_adascale.metrics(raw["opt_state"])["skipped_negative_lr_steps"]) == 0
+
+    new = Replicas("vmap", 4, tx_for(4))
+    resumed = optax_adascale.transfer_state(raw["opt_state"], new.init(init_params())[1])
+    before = optax_adascale.get_adascale_state(resumed)
+    _, state, _ = new.run(raw["params"], resumed, range(5, 6))
+    after = optax_adascale.get_adascale_state(state)
+    expected = _expected_gain(before, _grads_per_replica(jax.device_get(params), 5, 4))
+    for field, value in expected.items():
+        np.testing.assert_allclose(float(getattr(after, field)), value, rtol=1e-5, err_msg=field)
+    assert int(after.count) == 6
+
+
 def test_an_nnx_optimizer_restored_without_target_is_readable_and_transferable(tmp_path):
     nnx = pytest.importorskip("flax.nnx")
 
@@ -391,19 +415,21 @@ def _grads_per_replica(params, call: int, n: int) -> np.ndarray:
 
 
 def _expected_gain(prev: AdaScaleState, grads: np.ndarray) -> dict[str, float]:
-    """AdaScale's update of the carried moving averages by this step's moments, in float64."""
+    """AdaScale's update of the carried moving averages by this step's moments, in float64, with the default
+    estimator: a memory of 0.05·τ base steps (θ = exp(−r_{t−1}/(0.05·τ_t))), μ̂² averaged unfloored."""
     n = S = grads.shape[0]
     a = np.mean(np.sum(grads**2, axis=1))
     b = np.sum(np.mean(grads, axis=0) ** 2)
-    var = S / (n - 1) * (a - b)
+    var = max(S / (n - 1) * (a - b), 1e-6)
     sqr = b - var / S
-    var, sqr = max(var, 1e-6), max(sqr, 0.0)
-    theta = max(1 - n / 1000, 0.0)
+    tau = float(prev.tau_whole) + float(prev.tau_frac)
+    theta = np.exp(-float(prev.gain) / (0.05 * tau))
     w_prev = float(prev.ema_weight)
     w = theta * w_prev + (1 - theta)
     grad_var = (theta * w_prev * float(prev.grad_var) + (1 - theta) * var) / w
     grad_sqr = (theta * w_prev * float(prev.grad_sqr) + (1 - theta) * sqr) / w
-    gain = float(np.clip((grad_var + grad_sqr) / (grad_var / S + grad_sqr), 1.0, S))
+    mu2 = max(grad_sqr, 0.0)
+    gain = float(np.clip((grad_var + mu2) / (grad_var / S + mu2), 1.0, S))
     return {"gain": gain, "grad_var": grad_var, "grad_sqr": grad_sqr, "ema_weight": w}
 
 

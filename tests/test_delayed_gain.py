@@ -26,9 +26,11 @@ def grad_stream(step: int):
     return jax.tree.map(lambda p: 2.0 ** (-step / 3) + jax.random.normal(key, (N,) + p.shape), PARAMS)
 
 
-def run(delayed: bool, inner=None, **kw):
+def run(delayed: bool, inner=None, estimator="fairscale", **kw):
+    """The default estimator's memory is a fraction of τ, which the applied gains move, so the two modes'
+    averages would differ; a memory counted in updates (FairScale's) makes the shift exact."""
     inner = optax.trace(0.9) if inner is None else inner
-    tx = optax_adascale.adascale(inner, SCHEDULE, axis_name="i", delayed_gain=delayed, **kw)
+    tx = optax_adascale.adascale(inner, SCHEDULE, axis_name="i", delayed_gain=delayed, estimator=estimator, **kw)
     step = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i"))
     state, log = tx.init(PARAMS), []
     for t in range(STEPS):

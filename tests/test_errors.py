@@ -32,11 +32,13 @@ def one_replica_grads(seed):
     return jax.tree.map(lambda x: x[0], replica_grads(PARAMS, 1, seed))
 
 
-def assert_skipped(before, after, updates):
-    """The update is zero and the state is ``before`` but for one more skipped step."""
+def assert_skipped(before, after, updates, negative_lr=False):
+    """The update is zero and the state is ``before`` but for one more skipped step (for the reason given)."""
     assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
     assert int(after.skipped_steps) == int(before.skipped_steps) + 1
-    assert bits_equal(after._replace(skipped_steps=before.skipped_steps, skip_streak=before.skip_streak), before)
+    assert int(after.negative_lr_steps) == int(before.negative_lr_steps) + int(negative_lr)
+    counters = dict(skipped_steps=before.skipped_steps, skip_streak=before.skip_streak)
+    assert bits_equal(after._replace(negative_lr_steps=before.negative_lr_steps, **counters), before)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -511,8 +513,40 @@ def test_schedule_returning_nan_or_negative_skips_and_counts(bad_value):
     for seed in range(3, 5):
         before = state
         updates, state = update(replica_grads(params, N, seed), state, params)
-        assert_skipped(before, state, updates)
+        assert_skipped(before, state, updates, negative_lr=bad_value < 0)
     assert int(state.skipped_steps) == 2
+    m = optax_adascale.metrics(state)
+    reason = "skipped_negative_lr_steps" if bad_value < 0 else "skipped_nonfinite_steps"
+    other = "skipped_nonfinite_steps" if bad_value < 0 else "skipped_negative_lr_steps"
+    assert int(m[reason]) == 2 and int(m[other]) == 0
+
+
+def test_a_rounding_level_negative_learning_rate_is_zero_not_a_skip():
+    # optax.linear_schedule(lr, 0, n) under jit computes 1 - n·(1/n) < 0 for some n: a learning rate of
+    # about -1e-7·lr past n. That is zero: the update is taken (with no step) and τ keeps advancing.
+    peak = 0.1
+    schedule = lambda count: jnp.where(count >= 3, -1e-8, peak)  # noqa: E731 - rounding-sized, below 0
+    tx = optax_adascale.adascale_sgd(schedule, axis_name="i", scale=1.0)
+    params = {"w": jnp.ones(3)}
+    update = replica_update(tx)
+    state = tx.init(params)
+    for seed in range(6):
+        updates, state = update(replica_grads(params, N, seed), state, params)
+    assert int(state.tau_whole) == 6 and int(state.skipped_steps) == 0
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+    assert float(optax_adascale.metrics(state)["base_learning_rate"]) == 0.0
+
+
+def test_a_linear_schedule_that_ends_before_the_run_lets_done_finish():
+    n = next(n for n in range(2, 400) if float(jax.jit(optax.linear_schedule(0.05, 0.0, n))(n + 1)) < 0)
+    tx = optax_adascale.adascale_sgd(optax.linear_schedule(0.05, 0.0, n), axis_name="i")
+    params = {"w": jnp.ones(3)}
+    update = replica_update(tx)
+    state, steps = tx.init(params), 0
+    while not optax_adascale.done(state, 2 * n):
+        _, state = update(replica_grads(params, N, steps), state, params)
+        steps += 1
+    assert int(optax_adascale.metrics(state)["skipped_steps"]) == 0
 
 
 def test_nan_only_in_the_squared_norm_path_is_skipped():

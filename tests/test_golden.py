@@ -45,7 +45,7 @@ def stack(trees):
 
 
 def run_accumulation(updates_inputs):
-    tx = optax_adascale.adascale_sgd(LR, accumulation_steps=2)
+    tx = optax_adascale.adascale_sgd(LR, accumulation_steps=2, estimator="fairscale")
     params, state = linear_params(), None
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -56,7 +56,7 @@ def run_accumulation(updates_inputs):
 
 
 def run_vmap_axis(updates_inputs):
-    tx = optax_adascale.adascale_sgd(LR, axis_name="replica")
+    tx = optax_adascale.adascale_sgd(LR, axis_name="replica", estimator="fairscale")
     params = linear_params()
     state = tx.init(params)
     update = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="replica"))
@@ -66,7 +66,7 @@ def run_vmap_axis(updates_inputs):
 
 
 def run_pmap_axis(updates_inputs):
-    tx = optax_adascale.adascale_sgd(LR, axis_name="replica")
+    tx = optax_adascale.adascale_sgd(LR, axis_name="replica", estimator="fairscale")
     params = linear_params()
     state = tx.init(params)
     update = jax.pmap(
@@ -78,7 +78,7 @@ def run_pmap_axis(updates_inputs):
 
 
 def run_within_step(updates_inputs):
-    tx = optax_adascale.adascale_sgd(LR)
+    tx = optax_adascale.adascale_sgd(LR, estimator="fairscale")
     params = linear_params()
     state = tx.init(params)
     grad_fn = optax_adascale.value_and_grad(sum_loss, num_microbatches=2)
@@ -118,7 +118,7 @@ def test_orthogonal_samples_give_gain_equal_to_scale(scale):
     # FairScale's test_scale_not_equal_default: 4 one-hot inputs, bias-free Linear(4, 2), 4 samples.
     # By hand: ‖g_i‖² = 2, ‖ḡ‖² = 2·4/16 = 0.5, σ̂² = S/3·(2 − 0.5) = S/2, μ̂² = 0.5 − 1/2 = 0,
     # so the gain is exactly S.
-    tx = optax_adascale.adascale_sgd(LR, accumulation_steps=4, scale=scale)
+    tx = optax_adascale.adascale_sgd(LR, accumulation_steps=4, scale=scale, estimator="fairscale")
     params = jnp.zeros((2, 4))
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -133,7 +133,7 @@ def test_identical_samples_give_gain_one_up_to_the_eps_floor():
     # FairScale's test_gradient_value: two identical samples, ‖g‖² = 2. σ̂² = 0 is floored at
     # eps, μ̂² = 2, so r = (eps + 2)/(eps/2 + 2) = 1 + eps/4 + O(eps²).
     eps = 1e-6
-    tx = optax_adascale.adascale_sgd(LR, axis_name="i", eps=eps)
+    tx = optax_adascale.adascale_sgd(LR, axis_name="i", estimator=optax_adascale.Estimator(fairscale=True, eps=eps))
     params = jnp.zeros((2, 2))
     g = jnp.array([[0.0, 1.0], [0.0, 1.0]])
     update = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
@@ -155,7 +155,7 @@ def test_scale_different_from_num_samples_matches_hand_formula(n, scale):
     sqr = max(b - scale / (n - 1) * (a - b) / scale, 0.0)
     expected = np.clip((var + sqr) / (var / scale + sqr), 1.0, scale)
 
-    tx = optax_adascale.adascale_sgd(LR, axis_name="i", scale=scale)
+    tx = optax_adascale.adascale_sgd(LR, axis_name="i", scale=scale, estimator="fairscale")
     params = jnp.zeros(5)
     update = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
     _, state = update(jnp.asarray(samples), tx.init(params), params)
@@ -190,7 +190,7 @@ def test_second_update_uses_debiased_moving_average_with_fairscale_smoothing():
 def test_momentum_is_applied_before_the_gain():
     # PyTorch SGD: buf = μ buf + d; p -= lr·buf. AdaScale multiplies lr by the gain, so the
     # update is −r·lr·buf with buf including earlier (unscaled) gradients.
-    tx = optax_adascale.adascale_sgd(LR, momentum=0.9, accumulation_steps=2)
+    tx = optax_adascale.adascale_sgd(LR, momentum=0.9, accumulation_steps=2, estimator="fairscale")
     params = linear_params()
     state = tx.init(params)
     gains = []

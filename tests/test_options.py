@@ -17,7 +17,7 @@ def test_noise_scale_on_a_noisy_quadratic_is_sigma2_over_mu2(sigma2, mu2):
     # At a fixed point the base-batch gradient is μ + ξ with ‖μ‖² = μ², E‖ξ‖² = σ²: B_noise = σ²/μ².
     n, d, steps = 8, 512, 600
     mean = jnp.full((d,), np.sqrt(mu2 / d), jnp.float32)
-    tx = optax_adascale.adascale_sgd(0.0, axis_name="i")
+    tx = optax_adascale.adascale_sgd(0.0, axis_name="i", estimator="fairscale")  # the formula, a long memory
     params = jnp.zeros(d)
     update = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
 
@@ -50,7 +50,7 @@ def test_horizon_sets_the_memory_in_base_batch_steps():
     # Orthogonal replicas (gain 2 at S = 2), then identical ones. With horizon H the second update
     # weighs the first sample by θ = exp(−r₁/H) with r₁ = 2 (the first update's gain).
     H = 3.0
-    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=H)
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", estimator=optax_adascale.Estimator(horizon=H))
     params = jnp.zeros(2)
     step = replica_update(tx)
     _, state = step(jnp.array([[1.0, 0.0], [0.0, 1.0]]), tx.init(params), params)
@@ -72,7 +72,9 @@ def test_a_horizon_pair_gives_each_average_its_own_memory():
     params = jnp.zeros(2)
     runs = {}
     for name, horizon in {"short": 1.0, "long": 100.0, "pair": (100.0, 1.0)}.items():
-        tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=horizon)
+        tx = optax_adascale.adascale(
+            optax.identity(), 0.1, axis_name="i", estimator=optax_adascale.Estimator(horizon=horizon)
+        )
         state = tx.init(params)
         for g in grads:
             _, state = replica_update(tx)(g, state, params)
@@ -86,7 +88,9 @@ def test_memory_fraction_remembers_a_fixed_fraction_of_the_progress_so_far():
     # orthogonal replicas give σ̂² = 1, μ̂² = 0, gain 2, τ = 2. Update 2: θ = exp(−2/(c·2)); update 3:
     # θ = exp(−r₂/(c·(2 + r₂))). Identical samples [3, 4] then [0, 1]: σ̂² at the eps floor.
     c, eps, S = 0.5, 1e-6, 2.0
-    tx = optax_adascale.experimental.adascale(optax.identity(), 0.1, axis_name="i", memory_fraction=c)
+    tx = optax_adascale.adascale(
+        optax.identity(), 0.1, axis_name="i", estimator=optax_adascale.Estimator(memory_fraction=c)
+    )
     params = jnp.zeros(2)
     step = replica_update(tx)
     state = tx.init(params)
@@ -110,9 +114,10 @@ def test_memory_fraction_remembers_a_fixed_fraction_of_the_progress_so_far():
 def test_memory_fraction_with_horizon_or_smoothing_is_rejected():
     for other in ({"horizon": 10.0}, {"smoothing": 0.9}):
         with pytest.raises(ValueError, match=r"memory_fraction=0.1"):
-            optax_adascale.experimental.adascale(optax.identity(), 0.1, memory_fraction=0.1, **other)
-    with pytest.raises(ValueError, match=r"memory_fraction"):
-        optax_adascale.experimental.adascale(optax.identity(), 0.1, memory_fraction=0.0)
+            optax_adascale.Estimator(memory_fraction=0.1, **other)
+    for bad in (0.0, float("inf")):
+        with pytest.raises(ValueError, match=r"memory_fraction must be finite in \(0.0, inf\)"):
+            optax_adascale.Estimator(memory_fraction=bad)
 
 
 # --------------------------------------------------------------------------- gain exponent
@@ -139,6 +144,7 @@ def test_adam_preconditioned_statistics_match_a_hand_computation():
         1e-3,
         axis_name="i",
         precondition=optax_adascale.experimental.adam_preconditioner(b2=b2, eps=eps),
+        estimator="fairscale",
     )
     params = jnp.zeros(2)
     first = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
@@ -191,7 +197,8 @@ def test_unbiased_sqr_averages_the_unfloored_estimate_and_floors_only_the_averag
     params = jnp.zeros(2)
     steps = [jnp.array([[1.0, 0.0], [-0.5, 0.5]]), jnp.array([[3.0, 4.0], [3.0, 4.0]])]
     for unbiased, first in ((False, 0.0), (True, -0.5)):
-        tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", unbiased_sqr=unbiased)
+        estimator = optax_adascale.Estimator(smoothing=theta, unbiased_sqr=unbiased)
+        tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", estimator=estimator)
         _, state = replica_update(tx)(steps[0], tx.init(params), params)
         s = optax_adascale.get_adascale_state(state)
         assert float(s.grad_sqr) == pytest.approx(first, abs=1e-6)
@@ -211,6 +218,7 @@ def test_adam_preconditioner_floor_keeps_a_coordinate_without_history_from_pinni
             1e-3,
             axis_name="i",
             precondition=optax_adascale.experimental.adam_preconditioner(relative_floor=relative_floor),
+            estimator="fairscale",
         )
         params, key = jnp.zeros(3), jax.random.key(0)
         state, step = tx.init(params), replica_update(tx)
@@ -273,7 +281,9 @@ def test_a_horizon_beyond_float32_resolution_averages_the_samples():
     # each step's a and b.
     rng = np.random.default_rng(0)
     grads = rng.normal(size=(6, 2, 3)).astype(np.float32) + np.float32(0.5)
-    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=1e9)
+    tx = optax_adascale.adascale(
+        optax.identity(), 0.1, axis_name="i", estimator=optax_adascale.Estimator(horizon=1e9, unbiased_sqr=False)
+    )
     state = tx.init(R_PARAMS)
     var_sum = sqr_sum = total = 0.0
     for g in grads:
@@ -293,7 +303,7 @@ def test_a_horizon_beyond_float32_resolution_averages_the_samples():
 
 def test_a_horizon_beyond_float32_resolution_reports_a_finite_noise_scale():
     rng = np.random.default_rng(1)
-    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=1e9)
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", estimator=optax_adascale.Estimator(horizon=1e9))
     state = tx.init(R_PARAMS)
     for _ in range(3):
         _, state = vmap_update(tx, jnp.asarray(rng.normal(size=(2, 3)), jnp.float32) + 1.0, state, R_PARAMS)
@@ -309,8 +319,9 @@ def test_noise_scale_of_a_non_finite_state_is_nan_not_zero():
 
 
 def test_non_finite_moving_averages_skip_the_update():
-    # A state whose averages are NaN (e.g. restored from a broken run) must not produce updates.
-    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i")
+    # A state whose averages are NaN (e.g. restored from a broken run) must not produce updates. (The default
+    # memory, a fraction of τ, forgets everything at τ = 0; FairScale's keeps the NaN.)
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", estimator="fairscale")
     state = tx.init(R_PARAMS)._replace(grad_var=jnp.float32(np.nan), ema_weight=jnp.float32(0.5))
     updates, new_state = vmap_update(tx, jnp.eye(2, 3), state, R_PARAMS)
     np.testing.assert_array_equal(np.asarray(updates), 0.0)
@@ -325,4 +336,4 @@ def test_non_finite_moving_averages_skip_the_update():
 )
 def test_a_horizon_tuple_that_is_not_a_pair_of_numbers_is_rejected_at_construction(horizon):
     with pytest.raises((ValueError, TypeError), match=r"horizon.*got horizon="):
-        optax_adascale.adascale(optax.identity(), 0.1, axis_name="i", horizon=horizon)
+        optax_adascale.Estimator(horizon=horizon)

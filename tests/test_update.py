@@ -694,7 +694,8 @@ def test_scale_one_is_exactly_the_inner_optimizer(nesterov):
 
 
 def test_inject_hyperparams_with_structural_args_static():
-    static = ("learning_rate", "nesterov", "axis_name", "accumulation_steps", "scale", "smoothing", "param_labels")
+    # Options beyond the explicit keywords (param_labels, ...) pass through inject_hyperparams untouched.
+    static = ("learning_rate", "nesterov", "axis_name", "accumulation_steps", "scale", "estimator")
     injected = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=static)(
         learning_rate=optax.linear_schedule(0.2, 0.05, 10), momentum=0.9, weight_decay=1e-3, accumulation_steps=2
     )

@@ -162,7 +162,7 @@ def test_fairscale_oss_golden_gain():
             x = w @ x
         return jnp.sum(x)
 
-    tx = optax_adascale.adascale_sgd(0.1, axis_name="data", shard_optimizer_state=2)
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="data", shard_optimizer_state=2, estimator="fairscale")
     state = tx.init(params)
     specs = optax_adascale.state_partition_specs(state, "data")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
@@ -305,9 +305,8 @@ def test_the_shard_aware_clip_equals_optax_clip_on_the_replicated_update():
 
 
 def test_inject_hyperparams_and_a_state_transfer_onto_four_replicas():
-    inject = optax.inject_hyperparams(
-        optax_adascale.adascale_sgd, static_args=("axis_name", "shard_optimizer_state", "accumulation_steps")
-    )
+    # shard_optimizer_state goes through adascale_sgd's **options, which inject_hyperparams passes on as they are.
+    inject = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("axis_name", "accumulation_steps"))
     tx = inject(learning_rate=0.1, momentum=0.9, axis_name="data", shard_optimizer_state=N)
     params = init_params()
     state = tx.init(params)

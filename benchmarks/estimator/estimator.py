@@ -1,7 +1,7 @@
 """Decide the default estimator with data: which moving average of σ̂², μ̂² tracks the true gain.
 
-Every candidate is ``optax_adascale.experimental.adascale(inner, lr, axis_name=..., **options)`` with the
-options its name spells (:func:`candidate_options`), run on the five setups of ``tasks.py`` at
+Every candidate is ``optax_adascale.adascale(inner, lr, axis_name=..., estimator=Estimator(**options))`` with
+the options its name spells (:func:`candidate_options`), run on the five setups of ``tasks.py`` at
 ``S ∈ {4, 8, 16, 32, 64}`` (``S`` vmap replicas of the base batch) until ``τ ≥ T``, beside the ``S = 1`` run of
 the same seed (AdaScale with one replica is the inner optimizer on ``lr(t)``). A run is one jitted program:
 a ``lax.scan`` over ``NUM_EVALS`` checkpoints at ``τ = kT/NUM_EVALS``, each a ``lax.while_loop`` of steps.
@@ -28,7 +28,7 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
 from benchmarks.harness import stats  # noqa: E402
-from optax_adascale import experimental, get_adascale_state, metrics  # noqa: E402
+from optax_adascale import Estimator, adascale, get_adascale_state, metrics  # noqa: E402
 
 AXIS = "replicas"
 SCALES = (4, 8, 16, 32, 64)
@@ -36,7 +36,7 @@ NUM_EVALS = 20  # checkpoints at τ = kT/20; tracking is read at those after the
 OFFLINE_BATCHES = 256
 LOG_POINTS = 300
 BASELINE = "S1"  # the S = 1 run of a seed (every candidate is the identity there)
-DEFAULT = "fairscale"
+DEFAULT = "fairscale"  # what the S = 1 baseline runs under (every candidate is the identity at S = 1)
 # The candidates of the full grid (the pilot's pruning is in the README).
 CANDIDATES = ("fairscale", "H(T/100)+unb", "unb", "frac(0.05)+unb", "frac(0.1)+unb", "frac(0.2)+unb")
 
@@ -50,7 +50,11 @@ def candidate_options(setup, name: str, scale: int) -> dict:
     * ``H(T/k)`` or ``H(h)``: ``horizon`` of ``T/k`` or ``h`` base steps (needs the run length);
     * ``frac(c)``: ``memory_fraction=c``: a memory of ``c·τ_t`` base steps (no run length);
     * ``M(m)``: ``smoothing = max(1 − n/m, 0)``: FairScale's form remembering ``m`` samples instead of 1000;
-    * ``s(θ)``: ``smoothing=θ``.
+    * ``s(θ)``: ``smoothing=θ``;
+    * ``floor(m)``: with ``frac(c)``, ``min_updates=m``: a memory of at least ``m`` updates.
+
+    The keys are :class:`optax_adascale.Estimator`'s fields (``fairscale`` spelled as its θ and floored μ̂²,
+    which is the same arithmetic, so that its θ can be traced like the others').
     """
     options: dict = {}
     for part in name.split("+"):
@@ -68,6 +72,8 @@ def candidate_options(setup, name: str, scale: int) -> dict:
             options["smoothing"] = max(1.0 - scale / float(m[1]), 0.0)
         elif m := re.fullmatch(r"s\(([\d.]+)\)", part):
             options["smoothing"] = float(m[1])
+        elif m := re.fullmatch(r"floor\(([\d.]+)\)", part):
+            options["min_updates"] = float(m[1])
         else:
             raise ValueError(f"unknown candidate option {part!r} in {name!r}")
     if not {"smoothing", "horizon", "memory_fraction"} & set(options):
@@ -75,12 +81,13 @@ def candidate_options(setup, name: str, scale: int) -> dict:
     return options
 
 
-def _kind(options: dict) -> tuple[str, bool]:
-    """``(memory option, unbiased_sqr)``: candidates of one kind share a compiled program (the value is traced)."""
+def _kind(options: dict) -> tuple[str, bool, float | None]:
+    """``(memory option, unbiased_sqr, min_updates)``: candidates of one kind share a compiled program (the
+    memory's value is traced)."""
     memory = [k for k in ("smoothing", "horizon", "memory_fraction") if k in options]
     if len(memory) != 1:
         raise ValueError(f"a candidate sets exactly one memory option, got {options}")
-    return memory[0], bool(options.get("unbiased_sqr", False))
+    return memory[0], bool(options.get("unbiased_sqr", False)), options.get("min_updates")
 
 
 @functools.cache
@@ -91,12 +98,11 @@ def compiled_run(setup, kind: tuple[str, bool], scale: int, num_evals: int):
     as one batched program.
     """
     max_iters = setup.total_steps + 1  # gain ≥ 1
-    option, unbiased = kind
+    option, unbiased, min_updates = kind
 
     def run(params, key, value, targets):
-        tx = experimental.adascale(
-            setup.inner(), setup.schedule, axis_name=AXIS, unbiased_sqr=unbiased, **{option: value}
-        )
+        estimator = Estimator(**{option: value}, unbiased_sqr=unbiased, min_updates=min_updates)
+        tx = adascale(setup.inner(), setup.schedule, axis_name=AXIS, estimator=estimator)
         opt_state = tx.init(params)
 
         def replica_step(params, opt_state, batch):
