@@ -9,7 +9,6 @@ from optax_adascale._adascale import AdaScaleState, adascale
 from optax_adascale._alias import adascale_adamw, adascale_sgd
 from optax_adascale._estimator import Estimator
 from optax_adascale._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
-from optax_adascale._gspmd import value_and_grad
 from optax_adascale._microbatch import MicrobatchStats
 from optax_adascale._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
 from optax_adascale._noise import NoiseScaleState, noise_scale_monitor
@@ -24,6 +23,7 @@ from optax_adascale._state import (
     transfer_state,
 )
 from optax_adascale._zero import ShardedInnerState, clip_by_global_norm, elementwise
+from optax_adascale.gspmd import value_and_grad
 
 __version__ = "0.2.0"
 

@@ -141,6 +141,7 @@ def _update(
     weights = _samples.preconditioner(collection.precondition, state.inner_state, grads, microbatch_stats)
     sq_leaves, k_micro = _samples.local_sq_norms(grads, microbatch_stats, weights)
     local_sq = groups.sums(axes.model.mask(sq_leaves))
+    mean_sq = _samples.given_mean_sq_norms(grads, microbatch_stats) if collection.accumulation_steps == 1 else None
 
     n = axes.replicas * collection.accumulation_steps * k_micro
     S = _scale(collection, n, axes.replicas)
@@ -148,7 +149,16 @@ def _update(
 
     def step(local_grads, local_sq, state):
         return reduction.step(
-            update, shape, local_grads, local_sq, state, params, extra_args, weights=weights, scattered=scattered
+            update,
+            shape,
+            local_grads,
+            local_sq,
+            state,
+            params,
+            extra_args,
+            weights=weights,
+            scattered=scattered,
+            mean_sq=mean_sq,
         )
 
     if collection.accumulation_steps == 1:

@@ -386,6 +386,7 @@ def reduce_statistics(
     axes: Axes,
     groups: _groups.Groups,
     weights: Sequence[Array] | None = None,
+    mean_sq: Sequence[Array] | None = None,
 ) -> tuple[Any, Array, Array]:
     """The gradient's reduction, and ``‖ḡ‖²`` read straight off its output.
 
@@ -405,6 +406,8 @@ def reduce_statistics(
       axes: the call's data and model axes.
       groups: the parameter groups.
       weights: optional per-leaf multipliers ``P``: ``b = ‖P ⊙ ḡ‖²`` (preconditioned statistics).
+      mean_sq: optional ``‖ḡ‖²`` per leaf taken where the samples were (the GSPMD drop-in): ``b`` comes from
+        there, not from ``grads`` (which the user may have clipped or scaled); only without data axes.
 
     Returns:
       ``(ḡ, a, b)``: the mean gradient, ``a`` = mean of the replicas' ``local_sq``
@@ -412,9 +415,18 @@ def reduce_statistics(
     """
     weigh = (lambda x, i: x) if weights is None else (lambda x, i: x * weights[i])  # noqa: E731
     model = axes.model
+    if mean_sq is not None and axes.data:
+        raise ValueError(
+            f"microbatch_stats from value_and_grad(data_axes=...) are already reduced over the data shards, but the "
+            f"optimizer was built with axis_name={axes.name!r}: build it without axis_name for a jit step over the "
+            "global batch."
+        )
     if not axes.data:
         mean, a = grads, local_sq
-        b_leaves = [leaf_sq_norm(weigh(g, i)) for i, g in enumerate(jax.tree.leaves(grads))]
+        if mean_sq is not None:
+            b_leaves = [jnp.asarray(b, STAT_DTYPE) for b in mean_sq]
+        else:
+            b_leaves = [leaf_sq_norm(weigh(g, i)) for i, g in enumerate(jax.tree.leaves(grads))]
     else:
         n = axes.replicas
         sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if low_precision(x) else x, grads), local_sq), axes.data)

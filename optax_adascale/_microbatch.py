@@ -31,11 +31,16 @@ class MicrobatchStats:
         sees ``n = k × replicas × accumulation_steps``.
       fsdp: static; ``True`` for the gradients of :func:`fsdp_probes`: the
         gradients passed with them are already reduce-scattered ZeRO rows.
+      mean_sq_norms: ``None``, or a pytree shaped like the gradients: each leaf's
+        ``‖ḡ‖²`` (float32) of the samples' true mean, taken where the samples were
+        (the GSPMD drop-in). ``update`` then reads ``b`` here instead of from the
+        gradients it is given, so clipping or scaling them first leaves the gain right.
     """
 
     sq_norms: Any
     num_microbatches: int = dataclasses.field(default=1, metadata=dict(static=True))
     fsdp: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    mean_sq_norms: Any = None
 
 
 def value_and_microbatch_grad(

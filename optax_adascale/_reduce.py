@@ -55,6 +55,7 @@ class AllReduce:
         *,
         weights=None,
         scattered: bool = False,
+        mean_sq=None,
     ):
         del scattered
         model = shape.axes.model
@@ -62,7 +63,7 @@ class AllReduce:
             _zero.check_model_split(update.inner, local_grads, model)
             extra_args = dict(extra_args, adascale_sq_norm=_collect.sq_norm_fn(jax.tree.structure(local_grads), model))
         with jax.named_scope("adascale/reduce"):
-            mean, a, b = _collect.reduce_statistics(local_grads, local_sq, shape.axes, shape.groups, weights)
+            mean, a, b = _collect.reduce_statistics(local_grads, local_sq, shape.axes, shape.groups, weights, mean_sq)
         return _step.apply(update, shape, mean, a, b, state, params, extra_args)
 
 
@@ -128,8 +129,9 @@ class ZeroRows:
         *,
         weights=None,
         scattered: bool = False,
+        mean_sq=None,
     ):
-        del weights  # refused with shard_optimizer_state by the factory
+        del weights, mean_sq  # weights: refused with shard_optimizer_state; mean_sq: only from the GSPMD drop-in
         axis, n = shape.axes.data, shape.axes.replicas
         groups, model = shape.groups, shape.axes.model
         low = _norms.low_precision

@@ -67,3 +67,13 @@ def local_sq_norms(
     except (ValueError, TypeError) as err:
         raise ValueError("microbatch_stats.sq_norms must have the structure of the gradients") from err
     return leaves, microbatch_stats.num_microbatches
+
+
+def given_mean_sq_norms(grads: Any, microbatch_stats: MicrobatchStats | None) -> list[Array] | None:
+    """``‖ḡ‖²`` per leaf where the samples were taken (the GSPMD drop-in's ``mean_sq_norms``), or ``None``."""
+    if microbatch_stats is None or microbatch_stats.mean_sq_norms is None:
+        return None
+    try:
+        return jax.tree.structure(grads).flatten_up_to(microbatch_stats.mean_sq_norms)
+    except (ValueError, TypeError) as err:
+        raise ValueError("microbatch_stats.mean_sq_norms must have the structure of the gradients") from err

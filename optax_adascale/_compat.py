@@ -1,0 +1,168 @@
+"""Every read of JAX internals, behind one module (``tests/test_compat.py`` has a test per read).
+
+JAX moves its private modules and renames primitive parameters between releases (0.11
+renamed ``scan``'s ``num_consts``/``num_carry`` to ``ft_in``/``ft_out``). Each read here is
+feature-tested where a release may lack it, and says what happens then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+# --------------------------------------------------------------------------- jaxprs
+
+
+def literal_type() -> type:
+    """The class of a literal operand in a jaxpr (``jax.extend.core.Literal``)."""
+    from jax.extend.core import Literal
+
+    return Literal
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation: 0.10's ``num_consts``/``num_carry``, else the lengths
+    of the first two groups of ``ft_in`` (JAX ≥ 0.11: ``(consts, carry, xs)``)."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    ft_in = params["ft_in"]  # a FlatTree of (consts, carry, xs); len() of a group counts its leaves
+    groups = ft_in.unpack() if hasattr(ft_in, "unpack") else tuple(ft_in)
+    return len(groups[0]), len(groups[1])
+
+
+# --------------------------------------------------------------------------- meshes and axes
+
+
+def legacy_mesh() -> Any:
+    """The mesh of the old ``with mesh:`` form (invisible to ``jax.sharding.get_abstract_mesh``), or ``None``."""
+    try:
+        from jax._src import mesh as mesh_lib
+
+        physical = mesh_lib.thread_resources.env.physical_mesh
+        return None if physical.empty else physical
+    except Exception:  # noqa: BLE001 - internals moved: nothing to report
+        return None
+
+
+def named_axis_sizes() -> dict[Any, int] | None:
+    """The named axes bound here by ``vmap``/``pmap``/``shard_map`` and their sizes; ``None`` if unreadable."""
+    try:
+        from jax._src import core
+
+        return dict(core.get_axis_env().axis_sizes)
+    except (ImportError, AttributeError):
+        return None
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual axes ``x`` varies over (shard_map's varying type); empty where JAX records none.
+
+    ``manual_axis_type.varying`` (JAX 0.10), ``vma`` (other versions); neither present means no information.
+    """
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+@contextlib.contextmanager
+def vma_checks_off() -> Iterator[None]:
+    """Inside, shard_map's varying-type checks are off (JAX's internal ``_check_vma`` switch); if the switch
+    moved, nothing changes."""
+    from jax._src import config as jax_config
+
+    check_vma = getattr(jax_config, "_check_vma", None)
+    if check_vma is None:
+        yield
+        return
+    with check_vma(False):
+        yield
+
+
+def batch_trace_axes(x: Any) -> list[Any]:
+    """The ``axis_data`` of every ``vmap`` trace ``x`` is batched under (innermost first); ``[]`` if unreadable."""
+    try:
+        from jax._src.interpreters import batching
+    except ImportError:
+        return []
+    batch_trace = getattr(batching, "BatchTrace", None)
+    if batch_trace is None:
+        return []
+    found = []
+    trace = getattr(x, "_trace", None)
+    while trace is not None:
+        data = getattr(trace, "axis_data", None) if isinstance(trace, batch_trace) else None
+        if data is not None:
+            found.append(data)
+        trace = getattr(trace, "parent_trace", None)
+    return found
+
+
+def reduced_on_mixed_meshes() -> bool:
+    """Whether ``reduced``/``unreduced`` shardings work on a mesh with Auto axes besides the Explicit ones.
+
+    JAX 0.10 asserts that every mesh axis is Explicit (``core.getu``); 0.11 allows the rest to stay Auto.
+    """
+    version = tuple(int(p) for p in jax.__version__.split(".")[:2] if p.isdigit())
+    return version >= (0, 11)
+
+
+# --------------------------------------------------------------------------- custom derivative calls
+
+
+def custom_call_bind_params(eqn: Any, evaluate: Any, trace_context: Any = contextlib.nullcontext) -> dict[str, Any]:
+    """``eqn.primitive.get_bind_params(eqn.params)`` of a ``custom_jvp_call``/``custom_vjp_call`` whose traced
+    jaxprs (the function, its JVP or forward pass) run through ``evaluate(jaxpr, consts, args)``.
+
+    JAX's own bind parameters evaluate those jaxprs with ``core.eval_jaxpr``, as traced; this mirrors
+    ``custom_derivatives.lift_jvp``/``lift_fwd`` (JAX 0.10–0.12) with ``evaluate`` in its place. The user's
+    backward function (``custom_vjp``) is Python and traces at the types it is given: kept. The JVP rule and
+    forward pass are traced (lazily, at the types the loss was traced at) under ``trace_context()``.
+    """
+    from jax._src import core
+    from jax._src import linear_util as lu
+    from jax._src.custom_derivatives import SymbolicZero
+    from jax._src.interpreters import ad
+
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = params["subfuns"]
+    call = eqn.params["call_jaxpr"]
+    num_consts = eqn.params["num_consts"]
+    jaxpr, consts = (call.jaxpr, call.consts) if hasattr(call, "consts") else (call, ())
+    fun = lu.wrap_init(lambda *args: evaluate(jaxpr, consts, list(args)), debug_info=subfuns[0].debug_info)
+    if eqn.primitive.name == "custom_jvp_call":
+        jvp_jaxpr_fun = eqn.params["jvp_jaxpr_fun"]
+
+        def jvp(*xs):
+            n = len(xs) // 2
+            primals, tangents = xs[num_consts:n], xs[n + num_consts :]
+            zeros = [type(t) is SymbolicZero for t in tangents]
+            with trace_context():
+                jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+            nonzero = [t for t in tangents if type(t) is not SymbolicZero]
+            out = evaluate(jvp_jaxpr, jvp_consts, [*primals, *nonzero])
+            out_primals, nz = out[: len(out_zeros)], iter(out[len(out_zeros) :])
+            out_tangents = [
+                SymbolicZero(core.typeof(p).to_tangent_aval()) if z else next(nz)
+                for p, z in zip(out_primals, out_zeros, strict=True)
+            ]
+            return [*out_primals, *out_tangents]
+
+        params["subfuns"] = (fun, lu.wrap_init(jvp, debug_info=subfuns[1].debug_info))
+        return params
+    fwd_jaxpr_thunk = eqn.params["fwd_jaxpr_thunk"]
+
+    def fwd(*args):
+        vals, nonzeros = args[::2], args[1::2]
+        if any(nonzeros[:num_consts]):
+            raise ad.CustomVJPException()
+        with trace_context():
+            fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*nonzeros[num_consts:])
+        return evaluate(fwd_jaxpr, fwd_consts, list(vals[num_consts:]))
+
+    params["subfuns"] = (fun, lu.wrap_init(fwd, debug_info=subfuns[1].debug_info), subfuns[2])
+    return params

@@ -1,0 +1,426 @@
+"""``value_and_grad``: ``jax.value_and_grad`` of the unmodified loss, plus the per-copy statistics AdaScale needs.
+
+The loss runs **as written, on the global batch**. Its samples come from JAX's sharding types
+(JAX's "Autodiff and sharding"): every parameter replicated over the data axes is cast to
+``reduced`` over them (a free cast), so ``jax.grad`` returns its gradient ``unreduced``: each
+device holds the partial sum of its own rows, through its own copy of the parameter. That partial,
+times ``n``, is data shard ``i``'s sample ``g_i = n·∂L/∂θ_i`` — for any loss (token-weighted,
+batch norm, in-batch negatives, random draws, custom rules, ``shard_map`` inside), because nothing
+about the loss changed. ``reshard`` back to the parameter's sharding is SGD's all-reduce. A parameter
+sharded over the data axes (FSDP) is gathered inside the loss: the gather is made to return a
+``reduced`` copy (``_rewrite``), a probe on it reads each device's partial in the backward pass, and
+the gather's transpose reduce-scatters as before.
+
+With ``num_microbatches=k`` the loss runs on ``k`` global micro-batches in a ``lax.scan`` (micro-batch
+``j``: the ``j``-th block of every data shard's rows); the partials accumulate unreduced and are
+reduced once, after the loop. On a mesh with Auto axes the data axes are made Explicit for the loss
+(``jax.sharding.explicit_axes``; on JAX 0.10 every axis, which reduced types need there), and the
+loss's ``with_sharding_constraint``\\ s lose those axes (``_rewrite``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from optax_adascale import _checks, _microbatch
+from optax_adascale._microbatch import MicrobatchStats
+from optax_adascale.gspmd import _layout, _rewrite
+from optax_adascale.gspmd._layout import Layout
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    *,
+    data_axes: str | tuple[str, ...] | None = None,
+    num_microbatches: int = 1,
+    has_aux: bool = False,
+    mesh: Any = None,
+) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
+    """``jax.value_and_grad`` of the loss as written, plus the statistics AdaScale needs: ``(value, grads, stats)``.
+
+    **Global batch** (``data_axes`` set): call the returned function inside a
+    ``jax.jit`` step over the global batch, with the mesh set by
+    ``jax.set_mesh(mesh)`` (or passed as ``mesh=``). ``data_axes`` names the mesh
+    axes the batch is sharded over::
+
+        tx = optax_adascale.adascale_sgd(schedule, momentum=0.9)        # no axis_name
+        grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+
+        @jax.jit
+        def step(params, opt_state, x, y):
+            loss, grads, stats = grad_fn(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+    - ``value``, ``grads`` (and ``aux``) are ``jax.value_and_grad(loss_fn)``'s on
+      the global batch, for any loss: the loss is not changed, split or vmapped.
+    - The samples are the per-copy contributions ``g_i = n·∂L/∂θ_i``: ``θ_i`` is
+      the copy of the parameters that data shard ``i``'s rows use (for a mean
+      over rows, shard ``i``'s mean gradient). ``stats`` carries ``mean_i ‖g_i‖²``
+      and ``‖ḡ‖²`` per leaf (``MicrobatchStats``): the gain is right whatever is
+      done to ``grads`` before ``update`` (clipping, loss scaling).
+    - ``num_microbatches=k``: the loss runs on ``k`` global micro-batches
+      (micro-batch ``j`` is the ``j``-th contiguous block of every data shard's
+      rows: the leaves of the arguments sharded over the data axes on their first
+      dimension are split, every other argument goes to each micro-batch whole);
+      ``value``, ``grads`` and floating ``aux`` are the mean over the micro-batches
+      of ``jax.value_and_grad`` on each, integer ``aux`` the sum. The samples are
+      ``shards × k``; the partial gradients accumulate unreduced and are reduced
+      once, after the loop.
+    - Meshes: Explicit axes (``jax.make_mesh``'s default) for every layout
+      (replicated, tensor-parallel, FSDP, stacked scanned layers, remat). Auto
+      axes: the data axes are made Explicit while the loss runs and its
+      ``with_sharding_constraint``\\ s lose them; a loss that is not valid that
+      way raises a ``ValueError`` naming the Explicit mesh as the fix.
+
+    **Per replica** (``data_axes=None``): inside ``shard_map``, ``pmap`` or
+    ``vmap`` the batch is already the replica's; its ``k`` contiguous micro-batches
+    are the samples (``n = k``) and the tx has ``axis_name`` set. Under
+    ``shard_map`` mark the parameters varying first:
+    ``jax.lax.pcast(params, axis, to="varying")``.
+
+    Args:
+      loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)``).
+      data_axes: mesh axis name(s) the batch is sharded over, or ``None``.
+      num_microbatches: ``k ≥ 1`` micro-batches per step (per replica).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      mesh: the mesh, if not set by ``jax.set_mesh``.
+
+    Returns:
+      ``fn(params, *args) -> (value, grads, stats)``.
+
+    Raises:
+      ValueError: ``data_axes`` not in the mesh, or not an axis the batch is
+        sharded over; no mesh set; a batch not divisible by ``shards × k``;
+        ``data_axes=None`` under a jit over a multi-device mesh with no replica
+        axis bound; a loss that cannot run with the data axes Explicit.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax_adascale
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> loss = lambda w, x: jnp.mean(x @ w)
+      >>> fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=2, mesh=mesh))
+      >>> value, grads, stats = fn(jnp.ones(2), jnp.array([[1.0, 0.0], [0.0, 1.0]]))
+      >>> grads, stats.sq_norms, stats.num_microbatches
+      (Array([0.5, 0.5], dtype=float32), Array(1., dtype=float32), 2)
+    """
+    _checks.check_static_int("num_microbatches", num_microbatches)
+    _checks.check_bool("has_aux", has_aux)
+    if data_axes is None:
+        return _per_replica(loss_fn, num_microbatches, has_aux, mesh)
+    names = _checks.data_axis_names(data_axes)
+
+    def fn(params, *args):
+        the_mesh = _checks.resolve_mesh(mesh, names)
+        layout = Layout.of(the_mesh, names, num_microbatches)
+        if layout.shards == 1 and num_microbatches == 1:
+            _checks.warn(
+                f"value_and_grad(data_axes={data_axes!r}): the data axes have a single device, so each step has "
+                "n = 1 gradient sample and AdaScale is the identity (gain 1). Use more data shards, or "
+                "num_microbatches=k > 1 to take k samples per step."
+            )
+        with _mesh_context(the_mesh, mesh):
+            convert = _layout.auto_axes(the_mesh)
+            if convert:
+                return _converted(loss_fn, has_aux, layout, the_mesh, convert, params, args)
+            return _global(loss_fn, has_aux, layout, params, args)
+
+    return fn
+
+
+def _per_replica(loss_fn, k, has_aux, mesh):
+    per_replica = _microbatch.per_replica(loss_fn, k, has_aux=has_aux)
+
+    def fn(params, *batch):
+        _checks.check_replica_axis_bound(mesh, (params, batch))
+        value, grads, stats = per_replica(params, *batch)
+        if has_aux:  # stacked over the k micro-batches: combined as for the global batch
+            loss, aux = value
+            value = (loss, jax.tree.map(_combine, aux))
+        return value, grads, stats
+
+    return fn
+
+
+def _combine(x: Any) -> Any:
+    """An aux leaf over the micro-batches (leading axis): floating leaves averaged, the rest (counts) summed."""
+    return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.sum(x, axis=0)
+
+
+def _mesh_context(the_mesh, given):
+    """``mesh=`` given and none set: run under it (``jax.sharding`` reads the context's mesh)."""
+    import contextlib
+
+    if given is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(getattr(the_mesh, "abstract_mesh", the_mesh))
+
+
+# --------------------------------------------------------------------------- the global step on Explicit data axes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One parameter leaf: its spec, the mesh axes it is split over, whether that includes a data axis (FSDP)."""
+
+    spec: P
+    split: frozenset[str]
+    fsdp: bool
+
+
+def _leaf(layout: Layout, p: Any) -> _Leaf:
+    spec = jax.typeof(p).sharding.spec
+    parts = tuple(spec.partitions) + (None,) * (jnp.ndim(p) - len(spec.partitions))
+    split = frozenset(a for entry in parts for a in _layout.spec_axes(entry))
+    return _Leaf(P(*parts), split, bool(split & set(layout.data)))
+
+
+def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, ...] = (), trace=None):
+    """``(value, grads, stats)`` with the data axes Explicit: reduced params, unreduced partials, one reduction."""
+    leaves, treedef = jax.tree.flatten(params)
+    info = [_leaf(layout, p) for p in leaves]
+    _check_batch_sharded(layout, args)
+    data = frozenset(layout.data)
+    fsdp = tuple(i for i, leaf in enumerate(info) if leaf.fsdp)
+    cast = [p if leaf.fsdp else jax.reshard(p, P(*leaf.spec.partitions, reduced=data)) for p, leaf in zip(leaves, info)]
+    loss = _rewrite.Probed(loss_fn, treedef, fsdp, layout, convert, has_aux, trace)
+    split = _Split.of(layout, args)
+    loss.prepare(leaves, args if layout.k == 1 else split.first_avals())
+    entry = loss.entry(cast)
+    scales = []
+
+    def one(batch):
+        """One (micro-)batch: value, aux, partial gradients (probed FSDP leaves reduce-scattered), ‖·‖² arrays."""
+        value, aux, partials, probe_sq = loss(entry, batch)
+        scales.append(_reduced_scale(layout, value))  # a loss typed reduced: JAX seeds 1 on every data shard
+        own = [i for i in range(len(partials)) if i not in probe_sq]
+        local = _layout.local_sqs(layout, [(partials[i], _partial_spec(partials[i]), True) for i in own])
+        if probe_sq:  # leaf order: the probed leaves' arrays in their places
+            rows = {i: local[j] for j, i in enumerate(own)} | dict(probe_sq)
+            local = jnp.stack([rows[i] for i in range(len(partials))])
+        return _plain(value), _plain(aux), partials, local
+
+    if layout.k == 1:
+        value, aux, partials, sq = one(args)
+    else:
+        value, aux, partials, sq = split.scan(one, [_zeros_like_partial(x) for x in entry], layout)
+    # The partials are (scale·k)× the mean gradient's pieces: scale from a reduced-typed loss, k micro-batches.
+    k, scale = layout.k, scales[0]
+    grads = [jax.reshard(g, leaf.spec) if _is_unreduced(g) else g for g, leaf in zip(partials, info, strict=True)]
+    grads = [(g if k * scale == 1 else g / (k * scale)).astype(p.dtype) for g, p in zip(grads, leaves, strict=True)]
+    sq = sq if scale == 1 else sq / (scale * scale)
+    # g_i = (n/k)·partial_i per sample (k micro-batches of weight 1/k): a = mean_i ‖g_i‖² = (n/k²)·Σ_i ‖partial_i‖².
+    b_sq = _layout.local_sqs(layout, [(g, leaf.spec, False) for g, leaf in zip(grads, info, strict=True)])
+    sums = _layout.totals(jnp.concatenate([sq, b_sq]))
+    m = len(leaves)
+    a = sums[:m] * (layout.n / (k * k))
+    stats = MicrobatchStats(treedef.unflatten(list(a)), layout.n, mean_sq_norms=treedef.unflatten(list(sums[m:])))
+    value = (value, aux) if has_aux else value
+    return value, treedef.unflatten(grads), stats
+
+
+def _is_unreduced(x: Any) -> bool:
+    return bool(getattr(jax.typeof(x).sharding.spec, "unreduced", None))
+
+
+def _partial_spec(x: Any) -> P:
+    spec = jax.typeof(x).sharding.spec
+    return P(*_layout.partitions(x), unreduced=frozenset(getattr(spec, "unreduced", ())))
+
+
+def _zeros_like_partial(x: Any) -> Any:
+    """Zeros typed as the gradient of ``x``: unreduced where ``x`` is reduced, float32 or wider."""
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    reduced = frozenset(getattr(jax.typeof(x).sharding.spec, "reduced", ()))
+    parts = _layout.partitions(x)
+    if reduced:
+        return jax.reshard(jnp.zeros(x.shape, dtype, out_sharding=P(*parts)), P(*parts, unreduced=reduced))
+    return jnp.zeros(x.shape, dtype, out_sharding=P(*parts))
+
+
+def _unreduced(leaf: _Leaf, data: frozenset[str]) -> P:
+    return P(*leaf.spec.partitions, unreduced=data)
+
+
+def _reduced_scale(layout: Layout, value: Any) -> float:
+    """``∏`` of the sizes of the data axes ``value``'s type is reduced over (1 for a plain loss)."""
+    reduced = getattr(jax.typeof(value).sharding.spec, "reduced", frozenset())
+    return float(math.prod(layout.size(a) for a in reduced if a in layout.data))
+
+
+def _plain(tree: Any) -> Any:
+    """Leaves typed ``reduced`` (computed from reduced parameters alone) as plain arrays: the same values."""
+
+    def plain(x):
+        if not isinstance(x, jax.Array):
+            return x
+        spec = jax.typeof(x).sharding.spec
+        if not getattr(spec, "reduced", None):
+            return x
+        return jax.reshard(x, P(*spec.partitions))
+
+    return jax.tree.map(plain, tree)
+
+
+def _check_batch_sharded(layout: Layout, args: Any) -> None:
+    """Some argument must be sharded over the data axes on its first dimension: else they are not the batch's."""
+    for x in jax.tree.leaves(args):
+        if jnp.ndim(x) and set(layout.data) <= set(_layout.spec_axes(_layout.partitions(x)[0])):
+            return
+    raise ValueError(
+        f"value_and_grad(data_axes={layout.data_spec!r}): no argument is sharded over {layout.data} on its first "
+        "dimension, so these are not the axes the batch is sharded over and their shards would not be samples. "
+        "Name the mesh axes the batch's rows are split over (e.g. data_axes='data'), and shard the batch that way "
+        f"(jax.device_put(x, P({layout.data_spec!r})), or the jit's in_shardings)."
+    )
+
+
+# --------------------------------------------------------------------------- k micro-batches
+
+
+@dataclasses.dataclass
+class _Split:
+    """The arguments as ``k`` global micro-batches: the leaves sharded over the data axes on their first
+    dimension are cut (micro-batch ``j``: the ``j``-th block of every data shard's rows), the rest go whole."""
+
+    layout: Layout
+    flat: list[Any]
+    tree: Any
+    rows: list[int]
+
+    @classmethod
+    def of(cls, layout: Layout, args: Any) -> _Split:
+        flat, tree = jax.tree.flatten(args)
+        data = set(layout.data)
+        rows = [
+            i for i, x in enumerate(flat) if jnp.ndim(x) and data <= set(_layout.spec_axes(_layout.partitions(x)[0]))
+        ]
+        if layout.k > 1:
+            for i in rows:
+                if flat[i].shape[0] % layout.n:
+                    raise ValueError(
+                        f"an argument sharded over {layout.data} has {flat[i].shape[0]} rows, not divisible by data "
+                        f"shards × num_microbatches = {layout.shards} × {layout.k}: each micro-batch takes the same "
+                        "rows of every shard."
+                    )
+        return cls(layout, flat, tree, rows)
+
+    def first_avals(self) -> Any:
+        """The arguments of one micro-batch, as ``ShapeDtypeStruct``\\ s (to trace the loss at)."""
+        out = []
+        for i, x in enumerate(self.flat):
+            aval = jax.typeof(x)
+            shape = ((x.shape[0] // self.layout.k,) + x.shape[1:]) if i in self.rows else aval.shape
+            out.append(jax.ShapeDtypeStruct(shape, aval.dtype, sharding=aval.sharding, weak_type=aval.weak_type))
+        return self.tree.unflatten(out)
+
+    def _micro(self, x: Any) -> Any:
+        """``(B, ...)`` as ``(k, B/k, ...)``: entry ``j`` of axis 0 holds the ``j``-th block of every shard's rows."""
+        k, shards = self.layout.k, self.layout.shards
+        parts = _layout.partitions(x)
+        y = x.reshape(
+            (shards, k, x.shape[0] // (shards * k)) + x.shape[1:], out_sharding=P(parts[0], None, None, *parts[1:])
+        )
+        return jnp.moveaxis(y, 1, 0)
+
+    def _batch(self, micro: list[Any]) -> Any:
+        full = list(self.flat)
+        for i, x in zip(self.rows, micro, strict=True):
+            full[i] = x.reshape(
+                (x.shape[0] * x.shape[1],) + x.shape[2:], out_sharding=P(*_layout.partitions(self.flat[i]))
+            )
+        return self.tree.unflatten(full)
+
+    def scan(self, one, zeros: list[Any], layout: Layout):
+        """``one`` over the micro-batches: partials and ``‖·‖²`` arrays accumulate per device, no reduction."""
+        xs = [self._micro(self.flat[i]) for i in self.rows]
+        mesh_zero = jnp.zeros((len(zeros),) + layout.axis_sizes, jnp.float32, out_sharding=P(None, *layout.axis_names))
+
+        def body(carry, micro):
+            acc, sq_acc = carry
+            value, aux, partials, sq = one(self._batch(micro))
+            acc = [a + g.astype(a.dtype) for a, g in zip(acc, partials, strict=True)]
+            sq_acc = sq_acc + sq
+            return (acc, sq_acc), (value, aux)
+
+        (acc, sq), (values, auxes) = lax.scan(body, (zeros, mesh_zero), xs)
+        return jnp.mean(values), jax.tree.map(_combine, auxes), acc, sq
+
+
+# --------------------------------------------------------------------------- Auto axes
+
+
+def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...], params, args):
+    """The Auto axes made Explicit for the loss, which is traced once on the Auto mesh.
+
+    Reduced/unreduced types are only sound with every mesh axis Explicit (JAX 0.10 asserts it; on 0.12 a
+    mesh with Auto axes left gives wrong partials), so every Auto axis is converted. Inside, the parameters
+    are replicated over the converted axes and every argument leaf whose first dimension the data shards
+    divide is sharded over the data axes (the batch); the loss's jaxpr is re-evaluated there with those
+    axes dropped from its ``with_sharding_constraint``\\ s. A model axis then replicates inside the loss
+    (exact, without its parallelism): a warning says so.
+    """
+    model = [a for a in convert if a not in layout.data and layout.size(a) > 1]
+    if model:
+        _checks.warn(
+            f"value_and_grad(data_axes={layout.data_spec!r}) on a mesh with Auto axes: the loss runs with every axis "
+            f"Explicit and the parameters replicated over {model}, so its tensor parallelism over them is lost "
+            "(the values are exact). Use a mesh with Explicit axes (jax.make_mesh's default) to keep it."
+        )
+    leaves, treedef = jax.tree.flatten(params)
+    flat, tree = jax.tree.flatten(args)
+    shards = layout.shards
+    row_spec = P(layout.data_spec)
+    arg_specs = [row_spec if jnp.ndim(x) and x.shape[0] % shards == 0 else P() for x in flat]
+    n_leaves = len(leaves)
+    out_tree = []
+
+    def flat_loss(*xs):
+        out = loss_fn(treedef.unflatten(list(xs[:n_leaves])), *tree.unflatten(list(xs[n_leaves:])))
+        flat_out, t = jax.tree.flatten(out if has_aux else (out, None))
+        out_tree.append(t)
+        return flat_out
+
+    traced: dict[Any, Any] = {}
+
+    def trace(plain_leaves, batch_leaves, batch_tree):
+        """The loss's jaxpr at these shapes, traced on the mesh as the user set it (Auto axes)."""
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in [*plain_leaves, *batch_leaves])
+        if shapes not in traced:
+            avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [*plain_leaves, *batch_leaves]]
+            with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+                try:
+                    traced[shapes] = jax.make_jaxpr(flat_loss)(*avals)
+                except Exception:
+                    raise
+        return traced[shapes], out_tree[-1]
+
+    def inner(leaves, flat):
+        try:
+            return _global(loss_fn, has_aux, layout, treedef.unflatten(leaves), tree.unflatten(flat), convert, trace)
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - JAX's own error, where a loss written for Auto axes meets Explicit ones
+            raise ValueError(_auto_refusal(layout, convert, err)) from err
+
+    converted = jax.sharding.explicit_axes(inner, axes=convert, in_sharding=([P()] * n_leaves, arg_specs))
+    return converted(leaves, flat)
+
+
+def _auto_refusal(layout: Layout, convert, err) -> str:
+    return (
+        f"value_and_grad(data_axes={layout.data_spec!r}) on a mesh with Auto axes runs loss_fn with the axes "
+        f"{tuple(convert)} Explicit (their reduced/unreduced sharding types give the per-copy statistics, and "
+        f"JAX has them on Explicit axes only), and loss_fn does not run that way: {type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}. Build the mesh with Explicit axes (jax.make_mesh's "
+        "default) and write the loss the Explicit way (out_sharding= where JAX asks for it); value, grads and "
+        "statistics are then exact for any loss."
+    )

@@ -1,0 +1,154 @@
+"""Where the drop-in's numbers live on the mesh: axis kinds, parameter specs, and per-device statistics.
+
+Statistics are kept as *mesh-shaped* float32 arrays: element ``[i, j, ...]`` is device
+``(i, j, ...)``'s local ``Σ x²`` of its block of a gradient. :func:`local_sq` makes one (a
+``shard_map`` over every mesh axis that reads each device's block, no collective), and
+:func:`total` sums a leaf's array over the devices that hold *different* pieces: every data
+axis for a per-copy partial (each data shard holds its own), the axes the leaf is split over
+for the rest, index 0 along any axis it is replicated over. Summing the stacked arrays of
+every leaf is one all-reduce of a few floats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from optax_adascale._norms import STAT_DTYPE
+
+
+def spec_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry names."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def partitions(x: Any) -> tuple[Any, ...]:
+    """``x``'s sharding spec as one entry per dimension (Explicit types; ``None`` where unsharded)."""
+    aval = jax.typeof(x)
+    spec = aval.sharding.spec
+    parts = tuple(spec.partitions)
+    return parts + (None,) * (aval.ndim - len(parts))
+
+
+def used_axes(x: Any) -> frozenset[str]:
+    return frozenset(a for entry in partitions(x) for a in spec_axes(entry))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The static facts of one call: the mesh, the data axes, the samples.
+
+    Attributes:
+      axis_names, axis_sizes: the mesh's axes, in mesh order.
+      data: the data axes (``data_axes``), in mesh order.
+      shards: data shards, ``∏`` of the data axes' sizes.
+      k: micro-batches per shard.
+    """
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    data: tuple[str, ...]
+    k: int
+
+    @classmethod
+    def of(cls, mesh: Any, names: tuple[str, ...], k: int) -> Layout:
+        order = tuple(mesh.axis_names)
+        data = tuple(a for a in order if a in names)
+        return cls(order, tuple(mesh.shape[a] for a in order), data, k)
+
+    @property
+    def shards(self) -> int:
+        return math.prod(self.size(a) for a in self.data)
+
+    @property
+    def n(self) -> int:
+        return self.shards * self.k
+
+    def size(self, axis: str) -> int:
+        return self.axis_sizes[self.axis_names.index(axis)]
+
+    @property
+    def data_spec(self) -> Any:
+        """The batch dimension's spec entry: the data axes."""
+        return self.data[0] if len(self.data) == 1 else self.data
+
+    def mesh_spec(self) -> P:
+        """The spec of a mesh-shaped array of per-device values: one dimension per mesh axis."""
+        return P(*self.axis_names)
+
+
+def auto_axes(mesh: Any) -> tuple[str, ...]:
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Explicit)
+
+
+# --------------------------------------------------------------------------- per-device statistics
+
+
+def local_sqs(layout: Layout, items: list[tuple[Any, P, bool]]) -> jax.Array:
+    """Every device's local ``Σ|x|²`` of several arrays in one ``shard_map``, masked as :func:`local_sq` does:
+    a ``(len(items), *mesh)`` float32 array (the masks are constants: one multiply for all of them)."""
+    rank = len(layout.axis_names)
+    if not items:
+        return jnp.zeros((0,) + layout.axis_sizes, STAT_DTYPE)
+
+    def body(*blocks):
+        out = []
+        for block in blocks:
+            v = block.astype(jnp.promote_types(block.dtype, STAT_DTYPE))
+            sq = jnp.real(v * jnp.conj(v)) if jnp.iscomplexobj(v) else v * v
+            out.append(jnp.sum(sq).astype(STAT_DTYPE))
+        return jnp.stack(out).reshape((len(out),) + (1,) * rank)
+
+    stacked = jax.shard_map(
+        body, in_specs=tuple(spec for _, spec, _ in items), out_specs=P(None, *layout.axis_names), check_vma=False
+    )(*(x for x, _, _ in items))
+    masks = np.stack([_np_mask(layout, _counted(layout, spec, per_copy)) for _, spec, per_copy in items])
+    return stacked * masks
+
+
+def _counted(layout: Layout, spec: P, per_copy: bool) -> frozenset[str]:
+    split = frozenset(a for entry in spec.partitions for a in spec_axes(entry))
+    return split | (frozenset(layout.data) if per_copy else frozenset())
+
+
+def _np_mask(layout: Layout, counted: frozenset[str]) -> np.ndarray:
+    """1 where every axis outside ``counted`` is at index 0, else 0: one copy of each piece (a constant)."""
+    mask = np.ones(layout.axis_sizes, np.float32)
+    for d, axis in enumerate(layout.axis_names):
+        if axis not in counted:
+            index = [slice(None)] * len(layout.axis_sizes)
+            index[d] = slice(1, None)
+            mask[tuple(index)] = 0.0
+    return mask
+
+
+def local_sq(layout: Layout, x: Any, spec: P, per_copy: bool) -> jax.Array:
+    """The mesh-shaped array of each device's local ``Σ|x|²`` (float32) of ``x`` typed ``spec``, masked so that
+    its sum over the devices counts every distinct piece once.
+
+    A device's block is a piece of a leaf split over the axes ``spec`` names; along any other axis the
+    devices hold copies, of which only index 0 counts, except that a per-copy partial (``per_copy``,
+    ``spec`` unreduced over the data axes) differs on every data shard: all of them count.
+    """
+
+    def body(block):
+        v = block.astype(jnp.promote_types(block.dtype, STAT_DTYPE))
+        sq = jnp.real(v * jnp.conj(v)) if jnp.iscomplexobj(v) else v * v
+        return jnp.sum(sq).astype(STAT_DTYPE).reshape((1,) * len(layout.axis_names))
+
+    sq = jax.shard_map(body, in_specs=spec, out_specs=layout.mesh_spec(), check_vma=False)(x)
+    return sq * _np_mask(layout, _counted(layout, spec, per_copy))
+
+
+def totals(stacked: jax.Array) -> jax.Array:
+    """``Σ_devices`` of a ``(m, *mesh)`` array of per-device values: one all-reduce of ``m`` floats."""
+    return jnp.sum(stacked, axis=tuple(range(1, stacked.ndim)))
