@@ -21,7 +21,6 @@ loss's ``with_sharding_constraint``\\ s lose those axes (``_rewrite``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -120,7 +119,7 @@ def value_and_grad(
 
     def fn(params, *args):
         the_mesh = _checks.resolve_mesh(mesh, names)
-        layout = Layout.of(the_mesh, names, num_microbatches)
+        layout = Layout.of(the_mesh, names, num_microbatches, mesh)
         if layout.shards == 1 and num_microbatches == 1:
             _checks.warn(
                 f"value_and_grad(data_axes={data_axes!r}): the data axes have a single device, so each step has "
@@ -195,12 +194,10 @@ def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, 
     split = _Split.of(layout, args)
     loss.prepare(leaves, args if layout.k == 1 else split.first_avals())
     entry = loss.entry(cast)
-    scales = []
 
     def one(batch):
         """One (micro-)batch: value, aux, partial gradients (probed FSDP leaves reduce-scattered), ‖·‖² arrays."""
         value, aux, partials, probe_sq = loss(entry, batch)
-        scales.append(_reduced_scale(layout, value))  # a loss typed reduced: JAX seeds 1 on every data shard
         own = [i for i in range(len(partials)) if i not in probe_sq]
         local = _layout.local_sqs(layout, [(partials[i], _partial_spec(partials[i]), True) for i in own])
         if probe_sq:  # leaf order: the probed leaves' arrays in their places
@@ -212,11 +209,10 @@ def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, 
         value, aux, partials, sq = one(args)
     else:
         value, aux, partials, sq = split.scan(one, [_zeros_like_partial(x) for x in entry], layout)
-    # The partials are (scale·k)× the mean gradient's pieces: scale from a reduced-typed loss, k micro-batches.
-    k, scale = layout.k, scales[0]
+    # The partials sum the k micro-batches' gradients (each of weight 1/k in the mean).
+    k = layout.k
     grads = [jax.reshard(g, leaf.spec) if _is_unreduced(g) else g for g, leaf in zip(partials, info, strict=True)]
-    grads = [(g if k * scale == 1 else g / (k * scale)).astype(p.dtype) for g, p in zip(grads, leaves, strict=True)]
-    sq = sq if scale == 1 else sq / (scale * scale)
+    grads = [(g if k == 1 else g / k).astype(p.dtype) for g, p in zip(grads, leaves, strict=True)]
     # g_i = (n/k)·partial_i per sample (k micro-batches of weight 1/k): a = mean_i ‖g_i‖² = (n/k²)·Σ_i ‖partial_i‖².
     b_sq = _layout.local_sqs(layout, [(g, leaf.spec, False) for g, leaf in zip(grads, info, strict=True)])
     sums = _layout.totals(jnp.concatenate([sq, b_sq]))
@@ -248,12 +244,6 @@ def _zeros_like_partial(x: Any) -> Any:
 
 def _unreduced(leaf: _Leaf, data: frozenset[str]) -> P:
     return P(*leaf.spec.partitions, unreduced=data)
-
-
-def _reduced_scale(layout: Layout, value: Any) -> float:
-    """``∏`` of the sizes of the data axes ``value``'s type is reduced over (1 for a plain loss)."""
-    reduced = getattr(jax.typeof(value).sharding.spec, "reduced", frozenset())
-    return float(math.prod(layout.size(a) for a in reduced if a in layout.data))
 
 
 def _plain(tree: Any) -> Any:
@@ -368,6 +358,11 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...],
     axes dropped from its ``with_sharding_constraint``\\ s. A model axis then replicates inside the loss
     (exact, without its parallelism): a warning says so.
     """
+    if layout.mesh is not None:  # the concrete mesh named in the shard_maps must carry the converted types
+        explicit = (jax.sharding.AxisType.Explicit,) * len(layout.axis_names)
+        layout = dataclasses.replace(
+            layout, mesh=jax.sharding.Mesh(layout.mesh.devices, layout.axis_names, axis_types=explicit)
+        )
     model = [a for a in convert if a not in layout.data and layout.size(a) > 1]
     if model:
         _checks.warn(

@@ -52,18 +52,23 @@ class Layout:
       data: the data axes (``data_axes``), in mesh order.
       shards: data shards, ``∏`` of the data axes' sizes.
       k: micro-batches per shard.
+      mesh: the concrete mesh when passed as ``mesh=`` (else ``None``: the context's).
     """
 
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
     data: tuple[str, ...]
     k: int
+    mesh: Any = None
 
     @classmethod
-    def of(cls, mesh: Any, names: tuple[str, ...], k: int) -> Layout:
+    def of(cls, mesh: Any, names: tuple[str, ...], k: int, given: Any = None) -> Layout:
+        """``given``: the ``mesh=`` argument; a concrete mesh passed that way is named in every ``shard_map``
+        (no mesh set around the jit: it tells JAX the devices)."""
         order = tuple(mesh.axis_names)
         data = tuple(a for a in order if a in names)
-        return cls(order, tuple(mesh.shape[a] for a in order), data, k)
+        concrete = given if isinstance(given, jax.sharding.Mesh) else None
+        return cls(order, tuple(mesh.shape[a] for a in order), data, k, concrete)
 
     @property
     def shards(self) -> int:
@@ -109,7 +114,11 @@ def local_sqs(layout: Layout, items: list[tuple[Any, P, bool]]) -> jax.Array:
         return jnp.stack(out).reshape((len(out),) + (1,) * rank)
 
     stacked = jax.shard_map(
-        body, in_specs=tuple(spec for _, spec, _ in items), out_specs=P(None, *layout.axis_names), check_vma=False
+        body,
+        mesh=layout.mesh,
+        in_specs=tuple(spec for _, spec, _ in items),
+        out_specs=P(None, *layout.axis_names),
+        check_vma=False,
     )(*(x for x, _, _ in items))
     masks = np.stack([_np_mask(layout, _counted(layout, spec, per_copy)) for _, spec, per_copy in items])
     return stacked * masks
@@ -145,7 +154,7 @@ def local_sq(layout: Layout, x: Any, spec: P, per_copy: bool) -> jax.Array:
         sq = jnp.real(v * jnp.conj(v)) if jnp.iscomplexobj(v) else v * v
         return jnp.sum(sq).astype(STAT_DTYPE).reshape((1,) * len(layout.axis_names))
 
-    sq = jax.shard_map(body, in_specs=spec, out_specs=layout.mesh_spec(), check_vma=False)(x)
+    sq = jax.shard_map(body, mesh=layout.mesh, in_specs=spec, out_specs=layout.mesh_spec(), check_vma=False)(x)
     return sq * _np_mask(layout, _counted(layout, spec, per_copy))
 
 

@@ -205,6 +205,44 @@ def _subjaxprs(eqn) -> list[Any]:
     return out
 
 
+# --------------------------------------------------------------------------- the loss's value
+
+
+def _shared(layout: Layout, value: Any) -> Any:
+    """A loss value typed ``reduced`` (a term of the parameters alone, e.g. a penalty) as a plain value whose
+    cotangent reaches every data shard's copy in equal parts (``1/n`` each, every sample's loss holding the
+    whole term, as in per-replica training). A plain value is returned as it is.
+
+    JAX seeds a ``reduced`` output's gradient differently with and without ``jax.checkpoint`` in the
+    program; this rule does not depend on it.
+    """
+    reduced = _reduced(value) & frozenset(layout.data)
+    if not reduced:
+        return value
+    n = float(np.prod([layout.size(a) for a in reduced]))
+    parts = _parts(value)
+
+    @jax.custom_vjp
+    def share(v):
+        return jax.reshard(v, P(*parts))
+
+    def fwd(v):
+        return share(v), None
+
+    def bwd(_, ct):
+        split = jax.shard_map(
+            lambda c: c / n,
+            mesh=layout.mesh,
+            in_specs=P(*parts),
+            out_specs=P(*parts, unreduced=reduced),
+            check_vma=False,
+        )(ct)
+        return (split,)
+
+    share.defvjp(fwd, bwd)
+    return share(value)
+
+
 # --------------------------------------------------------------------------- the probe
 
 
@@ -295,7 +333,8 @@ class Probed:
             interp = Interpreter(self.layout, self.convert, probes=slots)
             lineage = {closed.jaxpr.invars[i]: frozenset({i}) for i in self.probed}
             out = interp.eval(closed.jaxpr, closed.consts, [*leaves, *batch_leaves], lineage)
-            return tuple(self.out_tree.unflatten(out))
+            value, aux = self.out_tree.unflatten(out)
+            return _shared(self.layout, value), aux
 
         (value, aux), (partials, probe_sq) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(leaves, slots)
         return value, aux, list(partials), dict(probe_sq)
@@ -667,7 +706,9 @@ def _full_manual(layout: Layout, local, plain, cts, red):
     data = frozenset(layout.data)
     in_specs = ([_full_spec(x) for x in plain], [_full_spec(c, _unreduced(c)) for c in cts])
     out_specs = [_full_spec(x, data if r else frozenset()) for x, r in zip(plain, red, strict=True)]
-    return jax.shard_map(local, in_specs=in_specs, out_specs=out_specs, check_vma=False)(list(plain), list(cts))
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        list(plain), list(cts)
+    )
 
 
 def _data_manual(layout: Layout, local, plain, cts, red):
@@ -694,9 +735,9 @@ def _data_manual(layout: Layout, local, plain, cts, red):
         P(lead, *_manual_spec(layout, x).partitions) if r else _manual_spec(layout, x)
         for x, r in zip(plain, red, strict=True)
     ]
-    grads = jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names=data, check_vma=False)(
-        list(plain), stacked_cts
-    )
+    grads = jax.shard_map(
+        body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=data, check_vma=False
+    )(list(plain), stacked_cts)
     return [_unstack(layout, g, x) if r else g for g, x, r in zip(grads, plain, red, strict=True)]
 
 
@@ -707,7 +748,7 @@ def _stack(layout: Layout, u: Any) -> Any:
     spec_in = P(*parts, unreduced=_unreduced(u))
     spec_out = P(layout.data_spec, *(_strip(e, frozenset(layout.data)) for e in parts))
     del others
-    return jax.shard_map(lambda b: b[None], in_specs=spec_in, out_specs=spec_out, check_vma=False)(u)
+    return jax.shard_map(lambda b: b[None], mesh=layout.mesh, in_specs=spec_in, out_specs=spec_out, check_vma=False)(u)
 
 
 def _unstack(layout: Layout, st: Any, like: Any) -> Any:
@@ -715,7 +756,9 @@ def _unstack(layout: Layout, st: Any, like: Any) -> Any:
     parts = _parts(like)
     data = frozenset(layout.data)
     spec_in = P(layout.data_spec, *(_strip(e, data) for e in parts))
-    return jax.shard_map(lambda b: b[0], in_specs=spec_in, out_specs=P(*parts, unreduced=data), check_vma=False)(st)
+    return jax.shard_map(
+        lambda b: b[0], mesh=layout.mesh, in_specs=spec_in, out_specs=P(*parts, unreduced=data), check_vma=False
+    )(st)
 
 
 def _manual_spec(layout: Layout, x: Any) -> P:
