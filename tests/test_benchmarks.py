@@ -200,7 +200,7 @@ def test_estimator_smoke_tables_agree_with_each_other(tmp_path):
         assert heading in text
     assert "not cached" in text and (tmp_path / "plots" / "estimator_tracking.png").stat().st_size > 0
 
-    names = ("FairScale (0.1 default)", "memory 0.1·τ, unbiased_sqr")  # the smoke's two candidates
+    names = ('FairScale (`estimator="fairscale"`, the 0.1–0.2 default)', "memory 0.1·τ, unbiased_sqr")  # the smoke's two
     tracking = {r[2]: r[3] for r in _table_rows(text, "regression")}
     summary = {r[0]: r for r in (_table_rows(text, n)[0] for n in names)}
     quality = text[text.index("**noisy linear regression**") :]
@@ -212,6 +212,30 @@ def test_estimator_smoke_tables_agree_with_each_other(tmp_path):
         assert summary[name][1] == f"{int(error <= 10)} / 1" and summary[name][2] == f"{error} %"
     change = round(100 * (iterations[names[1]] / iterations[names[0]] - 1))
     assert summary[names[0]][4].startswith("+0 %") and summary[names[1]][4].startswith(f"{change:+d} %")
+
+
+def test_the_estimator_study_names_the_package_default():
+    from benchmarks.estimator import estimator
+
+    import optax_adascale
+
+    options = estimator.candidate_options(None, estimator.PACKAGE_DEFAULT, 4)
+    assert optax_adascale.Estimator(**options) == optax_adascale.Estimator()
+
+
+def test_the_committed_estimator_report_is_rebuilt_from_the_committed_cells(tmp_path):
+    # The study's cells are committed: --report runs nothing and must give the committed section's tables.
+    committed = (ROOT / "benchmarks" / "estimator" / "README.md").read_text()
+    command = re.search(r"Command: `python -m benchmarks\.estimator ([^`]*)`", committed)[1].split()
+    run_study("estimator", *command, "--out", tmp_path)
+    rebuilt = (tmp_path / "README.md").read_text()
+
+    def tables(text: str) -> str:  # the generated section, less the hand-written reading and the wall time
+        section = text[text.index("<!-- estimator:start -->") : text.index("<!-- estimator:end -->")]
+        reading = re.compile(r"<!-- estimator-reading:start -->.*<!-- estimator-reading:end -->", re.S)
+        return re.sub(r"this invocation took \d+ s| --out \S+(?=`)", "", reading.sub("", section))
+
+    assert "| FairScale" in tables(committed) and tables(rebuilt) == tables(committed)
 
 
 def _fixed_rule_rows_are_consistent(section: str, adascale: str, total_steps: int, scale: int = 4):

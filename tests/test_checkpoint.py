@@ -359,7 +359,7 @@ def test_a_checkpoint_written_with_the_0_1_0_field_names_restores_and_resumes(tm
 def test_a_0_2_0_checkpoint_restores_and_continues_with_the_new_default_estimator(tmp_path):
     # 0.2.0 trained with FairScale's estimator and had no negative_lr_steps field. Its checkpoint restores
     # (without a target), moves into the new default's fresh state, and the next update is the default
-    # estimator's update of the carried averages (its memory, 0.05·τ, reads the carried τ).
+    # estimator's update of the carried averages (its memory, max(0.05·τ, 4 updates), reads the carried τ).
     old = Replicas("vmap", 4, make_tx(SCHEDULE, axis_name=AXIS, estimator="fairscale"))
     params, opt_state = old.init(init_params())
     params, opt_state, _ = old.run(params, opt_state, range(5))
@@ -416,14 +416,15 @@ def _grads_per_replica(params, call: int, n: int) -> np.ndarray:
 
 def _expected_gain(prev: AdaScaleState, grads: np.ndarray) -> dict[str, float]:
     """AdaScale's update of the carried moving averages by this step's moments, in float64, with the default
-    estimator: a memory of 0.05·τ base steps (θ = exp(−r_{t−1}/(0.05·τ_t))), μ̂² averaged unfloored."""
+    estimator: a memory of max(0.05·τ, 4·r_{t−1}) base steps (θ = exp(−r_{t−1}/max(0.05·τ_t, 4·r_{t−1}))),
+    μ̂² averaged unfloored."""
     n = S = grads.shape[0]
     a = np.mean(np.sum(grads**2, axis=1))
     b = np.sum(np.mean(grads, axis=0) ** 2)
     var = max(S / (n - 1) * (a - b), 1e-6)
     sqr = b - var / S
     tau = float(prev.tau_whole) + float(prev.tau_frac)
-    theta = np.exp(-float(prev.gain) / (0.05 * tau))
+    theta = np.exp(-float(prev.gain) / max(0.05 * tau, 4.0 * float(prev.gain)))
     w_prev = float(prev.ema_weight)
     w = theta * w_prev + (1 - theta)
     grad_var = (theta * w_prev * float(prev.grad_var) + (1 - theta) * var) / w

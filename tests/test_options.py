@@ -83,13 +83,19 @@ def test_a_horizon_pair_gives_each_average_its_own_memory():
     assert float(runs["pair"].grad_sqr) == pytest.approx(float(runs["short"].grad_sqr), rel=1e-6)
 
 
-def test_memory_fraction_remembers_a_fixed_fraction_of_the_progress_so_far():
+@pytest.mark.parametrize("min_updates", [None, 2.0])
+def test_memory_fraction_remembers_a_fixed_fraction_of_the_progress_so_far(min_updates):
     # memory_fraction=c: θ_t = exp(−r_{t−1}/(c·τ_t)). Update 1 (τ = 0): θ = 0, the averages are the sample;
     # orthogonal replicas give σ̂² = 1, μ̂² = 0, gain 2, τ = 2. Update 2: θ = exp(−2/(c·2)); update 3:
-    # θ = exp(−r₂/(c·(2 + r₂))). Identical samples [3, 4] then [0, 1]: σ̂² at the eps floor.
+    # θ = exp(−r₂/(c·(2 + r₂))). Identical samples [3, 4] then [0, 1]: σ̂² at the eps floor. With
+    # min_updates=m the memory is max(c·τ_t, m·r_{t−1}) base steps: θ₁ = exp(−1/m) (r₀ = 1), so the debiasing
+    # weight after update 1 is 1 − θ₁, not 1; then the floor decides again (c·τ = 1 < 2·2).
     c, eps, S = 0.5, 1e-6, 2.0
     tx = optax_adascale.adascale(
-        optax.identity(), 0.1, axis_name="i", estimator=optax_adascale.Estimator(memory_fraction=c)
+        optax.identity(),
+        0.1,
+        axis_name="i",
+        estimator=optax_adascale.Estimator(memory_fraction=c, min_updates=min_updates),
     )
     params = jnp.zeros(2)
     step = replica_update(tx)
@@ -97,7 +103,8 @@ def test_memory_fraction_remembers_a_fixed_fraction_of_the_progress_so_far():
     grads = [jnp.array([[1.0, 0.0], [0.0, 1.0]]), jnp.array([[3.0, 4.0], [3.0, 4.0]]), jnp.array([[0.0, 1.0]] * 2)]
     var, sqr, w, tau, gain = 0.0, 0.0, 0.0, 0.0, 1.0
     for g, (var_t, sqr_t) in zip(grads, [(1.0, 0.0), (eps, 25.0 - eps / 2), (eps, 1.0 - eps / 2)], strict=True):
-        theta = 0.0 if tau == 0 else np.exp(-gain / (c * tau))
+        memory = c * tau if min_updates is None else max(c * tau, min_updates * gain)
+        theta = 0.0 if memory == 0 else np.exp(-gain / memory)
         w_new = theta * w + (1 - theta)
         var = (theta * w * var + (1 - theta) * var_t) / w_new
         sqr = (theta * w * sqr + (1 - theta) * sqr_t) / w_new
@@ -109,6 +116,15 @@ def test_memory_fraction_remembers_a_fixed_fraction_of_the_progress_so_far():
         assert float(s.grad_sqr) == pytest.approx(sqr, rel=1e-5)
         assert float(s.gain) == pytest.approx(gain, rel=1e-5)
         assert float(optax_adascale.scale_invariant_steps(state)) == pytest.approx(tau, rel=1e-5)
+
+
+def test_the_default_estimator_is_a_memory_of_a_twentieth_of_tau_and_at_least_four_updates():
+    default = optax_adascale.Estimator()
+    assert (default.memory_fraction, default.min_updates, default.unbiased_sqr) == (0.05, 4.0, True)
+    assert optax_adascale.Estimator(memory_fraction=0.05).min_updates is None  # a named memory has no floor
+    for other in ({"horizon": 10.0}, {"smoothing": 0.9}, {"fairscale": True}):
+        with pytest.raises(ValueError, match=r"min_updates=4 bounds the memory_fraction memory"):
+            optax_adascale.Estimator(min_updates=4, **other)
 
 
 def test_memory_fraction_with_horizon_or_smoothing_is_rejected():

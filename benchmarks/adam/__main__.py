@@ -26,7 +26,7 @@ def main(argv=None):
         "--cache",
         type=Path,
         default=None,
-        help="cell cache directory (default benchmarks/adam/.cache; none in smoke mode unless given)",
+        help="cell cache directory (default benchmarks/adam/cells; none in smoke mode unless given)",
     )
     parser.add_argument(
         "--results",
@@ -52,7 +52,7 @@ def main(argv=None):
         jax.config.update("jax_disable_most_optimizations", True)
         cache_dir, scales, seeds, num_evals = args.cache, (1, 4), [0], 3
     else:
-        cache_dir = args.cache or HERE / ".cache"
+        cache_dir = args.cache or HERE / "cells"
         scales, seeds, num_evals = SCALES, list(range(args.seeds)), NUM_EVALS
     scales = tuple(args.scales) if args.scales else scales
     cache = cell_cache.CellCache(cache_dir, _cell_name)

@@ -27,7 +27,7 @@ candidates train from the same initialisation on the same stream of batches:
 AdaScale candidates train until ``τ ≥ T``. A whole run is one jitted program: a
 ``lax.scan`` over evaluation checkpoints, each a ``lax.while_loop`` of steps;
 the data sets are arguments of that program, not constants in it. Each cell
-(task, method, S, seed, lr) is cached as JSON under ``benchmarks/adam/.cache/``,
+(task, method, S, seed, lr) is cached as JSON under ``benchmarks/adam/cells/``,
 so an interrupted grid resumes where it stopped; ``--smoke`` runs a tiny grid
 uncached (with ``--cache DIR`` it caches there).
 

@@ -15,7 +15,7 @@ Against it, from the same initialisation on the same stream of batches
   every leaf: optax's defaults), linear scaling with warm-up, likewise.
 
 AdamW at S = 1 and ``AS-a`` are the Adam study's own cells (``adam.run_cell``, cached in the same
-``benchmarks/adam/.cache/``). Usage::
+``benchmarks/adam/cells/``). Usage::
 
     python -m benchmarks.adam.fair --tasks mnist1d            # AS-a, the six AdamW rows, LAMB, LARS
     python -m benchmarks.adam.fair --tasks lm --no-lamb-lars  # the AdamW rows only
@@ -212,7 +212,7 @@ def section(tasks_results, scales, seeds, command, elapsed, cached_under) -> str
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.adam.fair", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny models and grid (< 15 s on CPU)")
-    parser.add_argument("--cache", type=Path, default=None, help="cell cache (default benchmarks/adam/.cache)")
+    parser.add_argument("--cache", type=Path, default=None, help="cell cache (default benchmarks/adam/cells)")
     parser.add_argument("--results", type=Path, default=None, help="results file (default benchmarks/adam/README.md)")
     parser.add_argument("--tasks", nargs="+", default=None, choices=("lm", "mnist1d"))
     parser.add_argument("--scales", nargs="+", type=int, default=None)
@@ -229,7 +229,7 @@ def main(argv=None):
         jax.config.update("jax_disable_most_optimizations", True)
         cache_dir, scales, seeds, num_evals = args.cache, (4,), [0], 2
     else:
-        cache_dir, scales, seeds, num_evals = args.cache or adam.HERE / ".cache", SCALES, list(range(args.seeds)), 12
+        cache_dir, scales, seeds, num_evals = args.cache or adam.HERE / "cells", SCALES, list(range(args.seeds)), 12
     scales = tuple(args.scales) if args.scales else scales
     seeds = args.only_seeds if args.only_seeds is not None else seeds
     results_path = args.results or adam.HERE / "README.md"
@@ -254,7 +254,7 @@ def main(argv=None):
         done.append((problem, results, tuned, str(results_path)))
     if args.no_report:
         return 0
-    cached_under = str(args.cache) if args.cache else (None if args.smoke else "benchmarks/adam/.cache/")
+    cached_under = str(args.cache) if args.cache else (None if args.smoke else "benchmarks/adam/cells/")
     command = report.command_line("adam.fair", argv)
     body = section(done, scales, seeds, command, time.perf_counter() - start, cached_under)
     report.write_section(results_path, SECTION, body)

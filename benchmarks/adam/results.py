@@ -228,7 +228,7 @@ def write_report(path: Path, tasks, results, scales, seeds, plot_paths, command,
         "",
         f"Command: `{command}` ({len(seeds)} seed{'s' if len(seeds) > 1 else ''}, "
         f"S ∈ {{{', '.join(map(str, scales))}}}; "
-        + ("smoke mode: tiny models and budgets" if smoke else "cells cached under `benchmarks/adam/.cache/`")
+        + ("smoke mode: tiny models and budgets" if smoke else "cells cached under `benchmarks/adam/cells/`")
         + f"; the {len(results)} cells took {run_s / 60:.0f} min of wall time when they ran, compilation included, "
         f"this invocation {wall_s:.0f} s).",
         "",

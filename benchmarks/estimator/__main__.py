@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     scales, seeds = args.scales, list(range(args.seeds))
     num_evals, offline = estimator.NUM_EVALS, args.offline_batches
     names = args.tasks or (["regression"] if args.smoke else [n for n in setups if n not in tasks.OPT_IN])
-    candidates = args.candidates or ([estimator.DEFAULT, "frac(0.1)+unb"] if args.smoke else list(estimator.CANDIDATES))
+    candidates = args.candidates or ([estimator.FAIRSCALE, "frac(0.1)+unb"] if args.smoke else list(estimator.CANDIDATES))
     if args.smoke:
         scales, seeds, num_evals, offline = [4], [0], 4, 16
     chosen = [setups[name] for name in names]
     out = args.out or HERE
-    cache_dir = None if args.smoke else HERE / ".cache"
+    cache_dir = None if args.smoke else HERE / "cells"
     cache = cache_mod.CellCache(cache_dir, estimator.cell_name)
     res = estimator.run_grid(
         chosen, candidates, scales, seeds, cache, num_evals=num_evals, offline_batches=offline, cached_only=args.report
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         report.command_line("estimator", argv),
         time.perf_counter() - start,
         chosen=[c for c in args.plot if c in candidates],
-        cached_under=None if cache_dir is None else "benchmarks/estimator/.cache/",
+        cached_under=None if cache_dir is None else "benchmarks/estimator/cells/",
     )
 
 

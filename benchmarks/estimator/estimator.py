@@ -8,7 +8,7 @@ a ``lax.scan`` over ``NUM_EVALS`` checkpoints at ``τ = kT/NUM_EVALS``, each a `
 At every checkpoint the reference gain is computed at the run's own parameters: in closed form
 (regression) or offline from ``OFFLINE_BATCHES`` fresh base batches (two halves give its own noise).
 
-Each cell (setup, candidate, S, seed) is cached as JSON under ``benchmarks/estimator/.cache/``.
+Each cell (setup, candidate, S, seed) is cached as JSON under ``benchmarks/estimator/cells/``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,17 @@ NUM_EVALS = 20  # checkpoints at τ = kT/20; tracking is read at those after the
 OFFLINE_BATCHES = 256
 LOG_POINTS = 300
 BASELINE = "S1"  # the S = 1 run of a seed (every candidate is the identity there)
-DEFAULT = "fairscale"  # what the S = 1 baseline runs under (every candidate is the identity at S = 1)
+FAIRSCALE = "fairscale"  # what the S = 1 baseline runs under (every candidate is the identity at S = 1)
+PACKAGE_DEFAULT = "frac(0.05)+floor(4)+unb"  # optax_adascale.Estimator(), chosen by this study
 # The candidates of the full grid (the pilot's pruning is in the README).
-CANDIDATES = ("fairscale", "H(T/100)+unb", "unb", "frac(0.05)+unb", "frac(0.1)+unb", "frac(0.2)+unb")
+CANDIDATES = (
+    "fairscale",
+    PACKAGE_DEFAULT,
+    "H(T/100)+unb",
+    "frac(0.05)+unb",
+    "frac(0.05)+floor(3)+unb",
+    "frac(0.05)+floor(2)+unb",
+)
 
 
 def candidate_options(setup, name: str, scale: int) -> dict:
@@ -245,7 +253,7 @@ def run_grid(
         for scale in [1, *scales]:
             todo: dict = {}
             for name in [BASELINE] if scale == 1 else candidates:
-                run_name = DEFAULT if name == BASELINE else name
+                run_name = FAIRSCALE if name == BASELINE else name
                 for seed in seeds:
                     record = cache.get(setup, name, scale, seed)
                     if record is not None:

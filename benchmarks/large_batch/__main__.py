@@ -40,12 +40,12 @@ def main(argv=None):
         cache_dir, scales, seeds, num_evals = None, (4,), [0], 2
         study.RATES.update({"lamb": (1e-2,), "lars": (1.0,)})
     else:
-        cache_dir, scales, seeds, num_evals = out / ".cache", study.SCALES, list(range(args.seeds)), study.NUM_EVALS
+        cache_dir, scales, seeds, num_evals = out / "cells", study.SCALES, list(range(args.seeds)), study.NUM_EVALS
     scales = tuple(args.scales) if args.scales else scales
     caches = grid.SplitCache(
         cell_cache.CellCache(cache_dir, scaling._cell_name), cell_cache.CellCache(cache_dir, grid.cell_name)
     )
-    all_tasks = scaling_tasks.make_tasks(smoke=args.smoke, cache_dir=cache_dir)
+    all_tasks = scaling_tasks.make_tasks(smoke=args.smoke, cache_dir=None if args.smoke else out / ".cache")
     names = args.tasks or (["digits"] if args.smoke else list(all_tasks))
     sections = []
     for name in names:

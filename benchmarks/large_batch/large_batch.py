@@ -13,7 +13,7 @@ from the same initialisation on the same stream of batches:
   every leaf), linear scaling with warm-up, likewise.
 
 LAMB's and LARS's peak rates are tuned at S = 1 (seed 0, ``RATES``) on each task's own schedule shape and never
-per S. The fixed-rule runs are ``engine.py``'s; cells are cached as JSON under ``benchmarks/large_batch/.cache/``.
+per S. The fixed-rule runs are ``engine.py``'s; cells are cached as JSON under ``benchmarks/large_batch/cells/``.
 
 Usage::
 

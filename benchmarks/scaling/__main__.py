@@ -58,7 +58,7 @@ def main(argv=None):
         scales, seeds, num_evals, offline, elastic_tasks = (1, 8), [0], 4, 50, {"digits"}
         estimator_tasks = {"regression"}
     else:
-        cache = cell_cache.CellCache(out / ".cache", _cell_name)
+        cache = cell_cache.CellCache(out / "cells", _cell_name)
         scales, seeds, num_evals, offline, elastic_tasks = (
             SCALES,
             list(range(args.seeds)),

@@ -473,7 +473,7 @@ def write_report(path, tasks, results, scales, seeds, plot_paths, command, wall_
         + (
             "smoke mode: tiny budgets, nothing cached"
             if smoke
-            else "cells are cached under `benchmarks/scaling/.cache/`"
+            else "cells are cached under `benchmarks/scaling/cells/`"
         )
         + f"; this invocation took {wall_s:.0f} s).",
         "",

@@ -20,7 +20,7 @@ stream of batches:
 Gradients are averaged over the replicas with ``lax.pmean`` (inside AdaScale's
 update for AS). A whole run is one jitted program: a ``lax.scan`` over
 evaluation checkpoints, each a ``lax.while_loop`` of training steps. Each cell
-(task, method, S, seed) is cached as JSON under ``benchmarks/scaling/.cache/``
+(task, method, S, seed) is cached as JSON under ``benchmarks/scaling/cells/``
 so the grid resumes where it stopped; ``--smoke`` runs a tiny grid uncached.
 
 Usage::
