@@ -79,7 +79,7 @@ def main(argv=None):
     if args.estimators is not None:
         estimators = tuple(args.estimators)
     else:  # smoke: the last variant alone covers every code path of the variants (the package options have tests)
-        estimators = ("AS-H(T/100)+unfloored",) if args.smoke else ESTIMATORS
+        estimators = ("AS-fairscale",) if args.smoke else ESTIMATORS
     for method in estimators:
         estimator_options(tasks[0], method)  # fail on a typo before any training
     results = run_grid(

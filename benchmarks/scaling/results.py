@@ -555,14 +555,14 @@ def estimator_section(tasks, results, scales, seeds, variants):
     out = [
         "### A gain that keeps up: estimator options",
         "",
-        "AS is the package default (FairScale's moving average, θ = 1 − S/1000 per update). `AS-H(h)` is "
-        "`optax_adascale.adascale(optax.trace(μ), lr, horizon=h)`: moving averages whose memory is h base-batch "
-        "steps of τ (θ_t = exp(−r_{t−1}/h)); `AS-H(h_σ,h_μ)` gives σ̄² and μ̄² their own; `T/k` is the task's "
-        "budget over k (MNIST-1D 3072, digits 1536, regression 2048 base steps). `+unfloored` is "
-        "`unbiased_sqr=True`: each step's μ̂² enters the average unfloored and only the average is floored at 0 "
-        "(the default, like FairScale, floors each step's μ̂² at 0, which biases μ̄² up, hence the gain down, once "
-        "μ² is small next to the noise of μ̂²). `AS-delayed` is `delayed_gain=True` with the default averages: the "
-        "gain of update t from the averages through update t − 1 (a fidelity check of the cheaper mode, not a "
+        "AS is the package default (`Estimator()`: moving averages whose memory is max(0.05·τ, 4 updates) "
+        "base-batch steps, each step's μ̂² averaged unfloored). `AS-fairscale` is `estimator=\"fairscale\"`, "
+        "the 0.1–0.2 default (FairScale's θ = 1 − S/1000 per update, each step's μ̂² floored at 0). `AS-H(h)` is "
+        "`estimator=Estimator(horizon=h)`: a memory of h base-batch steps of τ (θ_t = exp(−r_{t−1}/h)); "
+        "`AS-H(h_σ,h_μ)` gives σ̄² and μ̄² their own; `T/k` is the task's budget over k (MNIST-1D 3072, digits "
+        "1536, regression 2048 base steps). `+floored` is `unbiased_sqr=False`. `AS-delayed` is "
+        "`delayed_gain=True` with the default averages: the gain of update t from the averages through update "
+        "t − 1 (a fidelity check of the cheaper mode, not a "
         "tracking option). At S = 1 every "
         f"variant is AS (the identity). Variants: seeds {', '.join(map(str, v_seeds))}.",
         "",

@@ -13,9 +13,9 @@ stream of batches:
 * ``LSW``: ``optax.sgd(momentum)`` with linear scaling and warm-up over
   ``T/S`` iterations (``scaling_rules.linear_warmup``);
 * estimator variants of AdaScale (``ESTIMATORS``, ``--estimators``), e.g.
-  ``"AS-H(T/100)"``: ``optax_adascale.adascale(optax.trace(momentum), lr,
-  horizon=T/100)``, and ``"AS-H(T/100)+unfloored"`` (also ``unbiased_sqr=True``);
-  see :func:`estimator_options`.
+  ``"AS-fairscale"`` (``estimator="fairscale"``, the 0.1–0.2 default) and
+  ``"AS-H(T/100)"``: ``optax_adascale.experimental.adascale(optax.trace(momentum), lr,
+  estimator=Estimator(horizon=T/100))``; see :func:`estimator_options`.
 
 Gradients are averaged over the replicas with ``lax.pmean`` (inside AdaScale's
 update for AS). A whole run is one jitted program: a ``lax.scan`` over
@@ -64,7 +64,7 @@ from optax_adascale import scaling_rules  # noqa: E402
 
 AXIS = "replicas"
 METHODS = ("AS", "LSW+", "LSW")
-ESTIMATORS = ("AS-H(T/100)", "AS-H(T/100)+unfloored", "AS-delayed")  # variants run beside AS (see estimator_options)
+ESTIMATORS = ("AS-fairscale", "AS-H(T/100)", "AS-delayed")  # variants run beside AS (see estimator_options)
 SCALES = (1, 2, 4, 8, 16, 32, 64)
 NUM_EVALS = 16  # evaluation checkpoints per run (plus the initial one)
 OFFLINE_BATCHES = 1000  # fresh base batches per checkpoint for the offline gain (paper Fig. 2)
@@ -79,7 +79,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def is_adascale(method):
-    """``"AS"`` (FairScale's estimator) or an estimator variant ``"AS-…"`` (see :func:`estimator_options`)."""
+    """``"AS"`` (the default estimator) or an estimator variant ``"AS-…"`` (see :func:`estimator_options`)."""
     return method == "AS" or method.startswith("AS-")
 
 
@@ -91,39 +91,44 @@ def _base_steps(text, task):
 
 
 def estimator_options(task, method):
-    """The ``optax_adascale.adascale`` estimator options of an AdaScale variant.
+    """The ``optax_adascale.experimental.adascale`` options of an AdaScale variant.
 
-    ``"AS"`` is the package default (FairScale's ``θ = 1 − S/1000``). A variant
-    is ``"AS-"`` followed by ``+``-joined options:
+    ``"AS"`` is the package default (``Estimator()``: a memory of 0.05·τ and at
+    least 4 updates, μ̂² averaged unfloored). A variant is ``"AS-"`` followed by
+    ``+``-joined options:
 
-    * ``H(h)``: ``horizon=h``; ``H(h_var,h_sqr)``: separate memories for σ̄² and
-      μ̄². Each ``h`` is a number of base steps or ``T/k`` (the task's budget
-      over ``k``), e.g. ``"AS-H(T/20)"``, ``"AS-H(T/5,T/50)"``;
+    * ``fairscale``: ``estimator="fairscale"`` (FairScale's ``θ = 1 − S/1000``, each step's μ̂² floored: the
+      0.1–0.2 default);
+    * ``H(h)``: ``Estimator(horizon=h)``; ``H(h_var,h_sqr)``: separate memories for σ̄² and μ̄². Each ``h``
+      is a number of base steps or ``T/k`` (the task's budget over ``k``), e.g. ``"AS-H(T/20)"``;
+    * ``s(θ)``: ``Estimator(smoothing=θ)``;
+    * ``floored``: ``unbiased_sqr=False`` (floor each step's ``μ̂²`` before it is averaged, as FairScale);
     * ``paper``: ``averaging="paper"``;
-    * ``s(θ)``: ``smoothing=θ``;
-    * ``delayed``: ``delayed_gain=True`` (the gain of the averages through the last update), e.g. ``"AS-delayed"``;
-    * ``unfloored``: ``unbiased_sqr=True``: the per-step ``μ̂²`` enters its average unfloored and only the
-      average is floored at 0 (FairScale floors each step's estimate).
+    * ``delayed``: ``delayed_gain=True`` (the gain of the averages through the last update), e.g. ``"AS-delayed"``.
     """
     if method == "AS":
         return {}
     if not method.startswith("AS-"):
         raise ValueError(f"not an AdaScale method: {method!r}")
-    options = {}
+    options, fields = {}, {}
     for part in method[3:].split("+"):
-        if part == "unfloored":
-            options["unbiased_sqr"] = True
+        if part == "fairscale":
+            fields["fairscale"] = True
+        elif part == "floored":
+            fields["unbiased_sqr"] = False
         elif part == "delayed":
             options["delayed_gain"] = True
         elif part == "paper":
             options["averaging"] = "paper"
         elif part.startswith("H(") and part.endswith(")"):
             hs = tuple(_base_steps(h, task) for h in part[2:-1].split(","))
-            options["horizon"] = hs[0] if len(hs) == 1 else hs
+            fields["horizon"] = hs[0] if len(hs) == 1 else hs
         elif part.startswith("s(") and part.endswith(")"):
-            options["smoothing"] = float(part[2:-1])
+            fields["smoothing"] = float(part[2:-1])
         else:
             raise ValueError(f"unknown estimator option {part!r} in {method!r}")
+    if fields:
+        options["estimator"] = optax_adascale.Estimator(**fields)
     return options
 
 
@@ -138,8 +143,8 @@ def build_optimizer(task, method, scale, num_iterations, stretched=None):
     if method == "AS":
         return optax_adascale.adascale_sgd(base, momentum=task.momentum, axis_name=AXIS), None
     if is_adascale(method):
-        # adascale_sgd(momentum=μ) is adascale(optax.trace(μ)) (its zero weight decay is skipped); the estimator
-        # options beyond FairScale's (horizon) are only on adascale().
+        # adascale_sgd(momentum=μ) is adascale(optax.trace(μ)) (its zero weight decay is skipped); averaging=
+        # is only on experimental.adascale().
         inner = optax.trace(decay=task.momentum)
         options = estimator_options(task, method)
         return optax_adascale.experimental.adascale(inner, base, axis_name=AXIS, **options), None
