@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 # --------------------------------------------------------------------------- jaxprs
 
@@ -114,7 +115,9 @@ def reduced_on_mixed_meshes() -> bool:
 # --------------------------------------------------------------------------- custom derivative calls
 
 
-def custom_call_bind_params(eqn: Any, evaluate: Any, trace_context: Any = contextlib.nullcontext) -> dict[str, Any]:
+def custom_call_bind_params(
+    eqn: Any, evaluate: Any, trace_context: Any = contextlib.nullcontext, bwd_auto_axes: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """``eqn.primitive.get_bind_params(eqn.params)`` of a ``custom_jvp_call``/``custom_vjp_call`` whose traced
     jaxprs (the function, its JVP or forward pass) run through ``evaluate(jaxpr, consts, args)``.
 
@@ -122,6 +125,11 @@ def custom_call_bind_params(eqn: Any, evaluate: Any, trace_context: Any = contex
     ``custom_derivatives.lift_jvp``/``lift_fwd`` (JAX 0.10–0.12) with ``evaluate`` in its place. The user's
     backward function (``custom_vjp``) is Python and traces at the types it is given: kept. The JVP rule and
     forward pass are traced (lazily, at the types the loss was traced at) under ``trace_context()``.
+
+    ``bwd_auto_axes``: the loss was traced with these axes Auto and runs with them Explicit. JAX checks the
+    backward function's cotangents against the primal types of the trace (Auto: no sharding), so the backward
+    function runs with those axes Auto again (``jax.sharding.auto_axes``), its cotangents sharded as the
+    primal values the forward pass was given.
     """
     from jax._src import core
     from jax._src import linear_util as lu
@@ -155,14 +163,42 @@ def custom_call_bind_params(eqn: Any, evaluate: Any, trace_context: Any = contex
         params["subfuns"] = (fun, lu.wrap_init(jvp, debug_info=subfuns[1].debug_info))
         return params
     fwd_jaxpr_thunk = eqn.params["fwd_jaxpr_thunk"]
+    primal_types: list[Any] = []
 
     def fwd(*args):
         vals, nonzeros = args[::2], args[1::2]
         if any(nonzeros[:num_consts]):
             raise ad.CustomVJPException()
+        primal_types[:] = [core.typeof(v) for v in vals]
         with trace_context():
             fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*nonzeros[num_consts:])
         return evaluate(fwd_jaxpr, fwd_consts, list(vals[num_consts:]))
 
-    params["subfuns"] = (fun, lu.wrap_init(fwd, debug_info=subfuns[1].debug_info), subfuns[2])
+    bwd = subfuns[2]
+    if bwd_auto_axes:
+        flat_bwd = bwd
+
+        def bwd_fn(*args):
+            types = list(primal_types)
+            zero_at: list[int] = []
+            with_logs: list[bool] = []
+
+            def run(*a):
+                out = flat_bwd.call_wrapped(*a)
+                # JAX 0.12: (cotangents, logs); 0.10-0.11: the cotangents
+                with_logs[:] = [isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple))]
+                cts = out[0] if with_logs[0] else out
+                if with_logs[0] and out[1] is not None:
+                    raise NotImplementedError("a custom_vjp backward rule with logs, on a converted Auto mesh")
+                zero_at[:] = [i for i, ct in enumerate(cts) if isinstance(ct, ad.Zero)]
+                # a symbolic zero cannot leave auto_axes: a dense stand-in, dropped below (and by XLA)
+                return [jnp.zeros(t.shape, jnp.float32) if i in zero_at else ct for i, (ct, t) in enumerate(zip(cts, types))]
+
+            specs = [t.sharding.spec for t in types]
+            out = jax.sharding.auto_axes(run, axes=bwd_auto_axes, out_sharding=specs)(*args)
+            cts = [ad.Zero(t.to_ct_aval()) if i in zero_at else ct for i, (ct, t) in enumerate(zip(out, types))]
+            return (cts, None) if with_logs[0] else cts
+
+        bwd = lu.wrap_init(bwd_fn, debug_info=subfuns[2].debug_info)
+    params["subfuns"] = (fun, lu.wrap_init(fwd, debug_info=subfuns[1].debug_info), bwd)
     return params

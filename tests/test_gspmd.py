@@ -26,7 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
-from optax_adascale import _hlo
+from benchmarks import hlo as _hlo
 
 N, ROWS, STEPS = 8, 4, 6
 AXIS = "i"

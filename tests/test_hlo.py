@@ -1,11 +1,11 @@
-"""``optax_adascale._hlo``'s byte accounting of compiled HLO, against sizes derived by hand."""
+"""``benchmarks.hlo``'s byte accounting of compiled HLO, against sizes derived by hand."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from optax_adascale import _hlo
+from benchmarks import hlo as _hlo
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
-from optax_adascale import _hlo, _noise
+from benchmarks import hlo as _hlo
+from optax_adascale import _noise
 from optax_adascale._norms import leaf_sq_norm
 
 # --------------------------------------------------------------------------- closed form

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
-from optax_adascale import _hlo
+from benchmarks import hlo as _hlo
 
 LAYOUTS = {
     "tp": TP,

@@ -18,7 +18,7 @@ from helpers import mlp_loss as loss_fn
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
-from optax_adascale import _hlo
+from benchmarks import hlo as _hlo
 
 N, ROWS, STEPS = 8, 4, 20
 SCHEDULE = optax.exponential_decay(0.3, transition_steps=10, decay_rate=0.5)

@@ -543,7 +543,7 @@ SCOPES = (
 
 def hlo_costs(text: str, skip: tuple[str, ...] = ()) -> list[dict]:
     """``_hlo.instruction_bytes`` of the entry computation, each tagged with the package scope it runs in."""
-    from optax_adascale import _hlo
+    from benchmarks import hlo as _hlo
 
     rows = []
     for r in _hlo.instruction_bytes(text, skip):
@@ -560,7 +560,7 @@ def hlo_costs(text: str, skip: tuple[str, ...] = ()) -> list[dict]:
 
 
 def _short_type(t: str) -> str:
-    from optax_adascale import _hlo
+    from benchmarks import hlo as _hlo
 
     arrays = [f"{dt}[{','.join(map(str, dims))}]" for dt, dims in _hlo.arrays(t)]
     return (

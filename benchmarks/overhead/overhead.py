@@ -116,7 +116,7 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import optax_adascale
-    from optax_adascale import _hlo
+    from benchmarks import hlo as _hlo
 
     n = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))

@@ -62,7 +62,7 @@ def measure(jax, width: int) -> list[dict]:
     from jax.sharding import PartitionSpec as P
 
     import optax_adascale
-    from optax_adascale import _hlo
+    from benchmarks import hlo as _hlo
     from optax_adascale._zero import from_rows, to_rows
 
     devices = np.array(jax.devices()[:8])

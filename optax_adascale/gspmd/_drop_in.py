@@ -42,6 +42,7 @@ def value_and_grad(
     num_microbatches: int = 1,
     has_aux: bool = False,
     mesh: Any = None,
+    unroll: int | bool = 1,
 ) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
     """``jax.value_and_grad`` of the loss as written, plus the statistics AdaScale needs: ``(value, grads, stats)``.
 
@@ -92,6 +93,8 @@ def value_and_grad(
       num_microbatches: ``k ≥ 1`` micro-batches per step (per replica).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       mesh: the mesh, if not set by ``jax.set_mesh``.
+      unroll: passed to the micro-batch ``lax.scan`` (``True`` trades compile time
+        and memory for speed where loop bodies run slowly, e.g. XLA:CPU convolutions).
 
     Returns:
       ``fn(params, *args) -> (value, grads, stats)``.
@@ -114,7 +117,7 @@ def value_and_grad(
     _checks.check_static_int("num_microbatches", num_microbatches)
     _checks.check_bool("has_aux", has_aux)
     if data_axes is None:
-        return _per_replica(loss_fn, num_microbatches, has_aux, mesh)
+        return _per_replica(loss_fn, num_microbatches, has_aux, mesh, unroll)
     names = _checks.data_axis_names(data_axes)
 
     def fn(params, *args):
@@ -129,14 +132,14 @@ def value_and_grad(
         with _mesh_context(the_mesh, mesh):
             convert = _layout.auto_axes(the_mesh)
             if convert:
-                return _converted(loss_fn, has_aux, layout, the_mesh, convert, params, args)
-            return _global(loss_fn, has_aux, layout, params, args)
+                return _converted(loss_fn, has_aux, layout, the_mesh, convert, params, args, unroll)
+            return _global(loss_fn, has_aux, layout, params, args, unroll=unroll)
 
     return fn
 
 
-def _per_replica(loss_fn, k, has_aux, mesh):
-    per_replica = _microbatch.per_replica(loss_fn, k, has_aux=has_aux)
+def _per_replica(loss_fn, k, has_aux, mesh, unroll):
+    per_replica = _microbatch.per_replica(loss_fn, k, has_aux=has_aux, unroll=unroll)
 
     def fn(params, *batch):
         _checks.check_replica_axis_bound(mesh, (params, batch))
@@ -182,7 +185,7 @@ def _leaf(layout: Layout, p: Any) -> _Leaf:
     return _Leaf(P(*parts), split, bool(split & set(layout.data)))
 
 
-def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, ...] = (), trace=None):
+def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, ...] = (), trace=None, unroll=1):
     """``(value, grads, stats)`` with the data axes Explicit: reduced params, unreduced partials, one reduction."""
     leaves, treedef = jax.tree.flatten(params)
     info = [_leaf(layout, p) for p in leaves]
@@ -208,14 +211,14 @@ def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, 
     if layout.k == 1:
         value, aux, partials, sq = one(args)
     else:
-        value, aux, partials, sq = split.scan(one, [_zeros_like_partial(x) for x in entry], layout)
+        value, aux, partials, sq = split.scan(one, [_zeros_like_partial(x) for x in entry], layout, unroll)
     # The partials sum the k micro-batches' gradients (each of weight 1/k in the mean).
     k = layout.k
     grads = [jax.reshard(g, leaf.spec) if _is_unreduced(g) else g for g, leaf in zip(partials, info, strict=True)]
     grads = [(g if k == 1 else g / k).astype(p.dtype) for g, p in zip(grads, leaves, strict=True)]
     # g_i = (n/k)·partial_i per sample (k micro-batches of weight 1/k): a = mean_i ‖g_i‖² = (n/k²)·Σ_i ‖partial_i‖².
     b_sq = _layout.local_sqs(layout, [(g, leaf.spec, False) for g, leaf in zip(grads, info, strict=True)])
-    sums = _layout.totals(jnp.concatenate([sq, b_sq]))
+    sums = _layout.totals(layout, jnp.concatenate([sq, b_sq]))
     m = len(leaves)
     a = sums[:m] * (layout.n / (k * k))
     stats = MicrobatchStats(treedef.unflatten(list(a)), layout.n, mean_sq_norms=treedef.unflatten(list(sums[m:])))
@@ -329,7 +332,7 @@ class _Split:
             )
         return self.tree.unflatten(full)
 
-    def scan(self, one, zeros: list[Any], layout: Layout):
+    def scan(self, one, zeros: list[Any], layout: Layout, unroll: int | bool = 1):
         """``one`` over the micro-batches: partials and ``‖·‖²`` arrays accumulate per device, no reduction."""
         xs = [self._micro(self.flat[i]) for i in self.rows]
         mesh_zero = jnp.zeros((len(zeros),) + layout.axis_sizes, jnp.float32, out_sharding=P(None, *layout.axis_names))
@@ -341,14 +344,14 @@ class _Split:
             sq_acc = sq_acc + sq
             return (acc, sq_acc), (value, aux)
 
-        (acc, sq), (values, auxes) = lax.scan(body, (zeros, mesh_zero), xs)
+        (acc, sq), (values, auxes) = lax.scan(body, (zeros, mesh_zero), xs, unroll=unroll)
         return jnp.mean(values), jax.tree.map(_combine, auxes), acc, sq
 
 
 # --------------------------------------------------------------------------- Auto axes
 
 
-def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...], params, args):
+def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...], params, args, unroll=1):
     """The Auto axes made Explicit for the loss, which is traced once on the Auto mesh.
 
     Reduced/unreduced types are only sound with every mesh axis Explicit (JAX 0.10 asserts it; on 0.12 a
@@ -400,7 +403,9 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...],
 
     def inner(leaves, flat):
         try:
-            return _global(loss_fn, has_aux, layout, treedef.unflatten(leaves), tree.unflatten(flat), convert, trace)
+            return _global(
+                loss_fn, has_aux, layout, treedef.unflatten(leaves), tree.unflatten(flat), convert, trace, unroll
+            )
         except ValueError:
             raise
         except Exception as err:  # noqa: BLE001 - JAX's own error, where a loss written for Auto axes meets Explicit ones

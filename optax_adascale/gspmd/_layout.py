@@ -158,6 +158,12 @@ def local_sq(layout: Layout, x: Any, spec: P, per_copy: bool) -> jax.Array:
     return sq * _np_mask(layout, _counted(layout, spec, per_copy))
 
 
-def totals(stacked: jax.Array) -> jax.Array:
-    """``Σ_devices`` of a ``(m, *mesh)`` array of per-device values: one all-reduce of ``m`` floats."""
-    return jnp.sum(stacked, axis=tuple(range(1, stacked.ndim)))
+def totals(layout: Layout, stacked: jax.Array) -> jax.Array:
+    """``Σ_devices`` of a ``(m, *mesh)`` array of per-device values: one all-reduce of ``m`` floats over every
+    device (a ``psum`` over all mesh axes at once, where a sum over the array's dimensions is one per axis)."""
+    axes = layout.axis_names
+
+    def body(local):
+        return jax.lax.psum(local.reshape(local.shape[0]), axes)
+
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=P(None, *axes), out_specs=P(), check_vma=False)(stacked)

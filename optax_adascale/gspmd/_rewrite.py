@@ -131,9 +131,16 @@ def _gathered_inputs(eqn, pure: list[bool], data: frozenset[str]) -> list[int]:
         target = eqn.params["dst_sharding"].spec
         off = data & _var_axes(v) - frozenset(a for e in target.partitions for a in _layout.spec_axes(e))
         return [0] if pure[0] and off else []
-    if all(pure[i] for i in real):
-        return []  # parameters alone: evaluated as traced
+    if all(pure[i] for i in real) and eqn.primitive.name in _TRANSPARENT:
+        return []  # a view of the parameter (its cotangent the same numbers): evaluated as traced
     return [i for i in real if pure[i] and data & _var_axes(eqn.invars[i])]
+
+
+# Equations of one parameter whose VJP hands the cotangent back unchanged but for layout or dtype: an FSDP leaf
+# passes through them before its gather. Any other use gathers it first, so that the probe sees ∂L/∂θ_i itself.
+_TRANSPARENT = frozenset(
+    ("reshape", "transpose", "convert_element_type", "squeeze", "expand_dims", "copy", "copy_p", "sharding_constraint")
+)
 
 
 @dataclasses.dataclass
@@ -390,8 +397,17 @@ class Interpreter:
     def constant(self, x: Any) -> Any:
         """A literal or captured constant; traced on the Auto mesh, its type names that mesh: re-typed here."""
         if self.convert and not isinstance(x, jax.core.Tracer) and hasattr(x, "dtype"):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a key closed over: rebuilt from its data
+                with jax.ensure_compile_time_eval():
+                    data = np.asarray(jax.random.key_data(x))
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
             return np.asarray(x)  # also JAX's typed literals (TypedNdArray), which carry the trace's mesh
         return x
+
+    def traced_mesh(self) -> Any:
+        """The mesh the loss was traced on (its converted axes Auto again), to trace its custom rules at."""
+        auto = {a: jax.sharding.AxisType.Auto for a in self.convert}
+        return jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh().update_axis_types(auto))
 
     def bind(self, eqn, invals, params=None):
         params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
@@ -429,7 +445,10 @@ class Interpreter:
             return self.local(eqn, invals)
         if name in _CUSTOM and self.convert:  # traced on Auto axes: its jaxprs re-evaluated here too
             params = _compat.custom_call_bind_params(
-                eqn, lambda j, c, a: self.eval(j, [self.constant(x) for x in c], a), lambda: eqn.ctx.manager
+                eqn,
+                lambda j, c, a: self.eval(j, [self.constant(x) for x in c], a),
+                self.traced_mesh,
+                bwd_auto_axes=tuple(sorted(self.convert)),
             )
             return eqn.primitive.bind(*invals, **params)
         try:
@@ -623,18 +642,14 @@ def _not_local(eqn) -> str:
     )
 
 
-_ELEMENTWISE = frozenset(
-    ("add", "add_any", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "select_n", "nextafter", "clamp")
-)
-
-
 class _LocalVJP:
-    """``eqn`` as a ``custom_vjp``: forward on the plain values, backward the equation's own VJP per device.
+    """``eqn`` as a ``custom_vjp``: forward on the plain values, backward the equation's own VJP per data shard.
 
-    Each device applies the VJP to its own block of the cotangent, with the data axes manual: a partial
-    cotangent for every ``reduced`` input (typed ``unreduced``), its block for every other one. An
-    elementwise equation runs with every mesh axis manual (its blocks line up); any other one with only
-    the data axes manual, the rest left to the partitioner.
+    The backward pass stacks every per-shard value on a leading axis of size ``shards`` (a data-sharded operand
+    or cotangent: its rows split; an ``unreduced`` cotangent: each shard's partial) and ``vmap``\\ s the
+    equation's VJP over that axis, under ``jax.sharding.auto_axes`` (one shard's block of an Explicit-mode
+    program need not be Explicit-valid on its own). A ``reduced`` input's stacked cotangents become its
+    ``unreduced`` partial; a data-sharded input's go back in place; a replicated one's are summed.
     """
 
     def __init__(self, interp: Interpreter, eqn, red, keep_reduced):
@@ -648,24 +663,25 @@ class _LocalVJP:
             outs = [_reduce(o, self.interp.data) for o in outs]
         return tuple(outs), tuple(plain)
 
-    def _local_fn(self):
+    def _vjp_fn(self):
         eqn = self.eqn
-        params = {k: (None if isinstance(v, (NamedSharding, P)) else v) for k, v in eqn.params.items()}
+        params = eqn.primitive.get_bind_params(
+            {k: (None if isinstance(v, (NamedSharding, P)) else v) for k, v in eqn.params.items()}
+        )
 
-        def g(*xs):  # under the shard_map's own (manual) mesh, not the trace-time context
-            out = eqn.primitive.bind(*xs, **eqn.primitive.get_bind_params(params))
+        def g(*xs):  # one shard's block: no trace-time context, no sharding parameters
+            out = eqn.primitive.bind(*xs, **params)
             return list(out) if eqn.primitive.multiple_results else [out]
 
-        def local(plain, cts):
-            _, vjp = jax.vjp(g, *plain)
-            return list(vjp(list(cts)))
+        def vjp(plain, cts):
+            _, f = jax.vjp(g, *plain)
+            return list(f(list(cts)))
 
-        return local
+        return vjp
 
     def __call__(self, *invals):
-        layout, data, red = self.interp.layout, self.interp.data, self.red
-        local = self._local_fn()
-        elementwise = self.eqn.primitive.name in _ELEMENTWISE
+        layout = self.interp.layout
+        vjp = self._vjp_fn()
 
         @jax.custom_vjp
         def f(*xs):
@@ -675,70 +691,100 @@ class _LocalVJP:
             return self._forward(*xs)
 
         def bwd(plain, cts):
-            cts = [_zero_ct(c, o) for c, o in zip(cts, jax.tree.leaves(jax.eval_shape(lambda: cts)), strict=True)]
-            if elementwise:
-                try:
-                    return tuple(_full_manual(layout, local, plain, cts, red))
-                except (ValueError, TypeError):  # blocks that do not line up (shapes): the partitioner's way
-                    pass
-            return tuple(_data_manual(layout, local, plain, cts, red))
+            try:
+                return tuple(_per_shard_vjp(layout, vjp, list(plain), list(cts), self.red))
+            except (ValueError, TypeError) as err:
+                if self.eqn.primitive.name not in _CUSTOM:
+                    raise
+                raise ValueError(_custom_refusal()) from err
 
         f.defvjp(fwd, bwd)
         return list(f(*invals))
 
 
-def _zero_ct(ct, _):
-    return ct
-
-
-def _reduce(x: Any, data: frozenset[str]) -> Any:
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and not data & _axes_of(x):
-        return jax.reshard(x, P(*_parts(x), reduced=data))
-    return x
-
-
-def _full_spec(x: Any, unreduced: frozenset[str] = frozenset()) -> P:
-    return P(*_parts(x), unreduced=unreduced) if unreduced else P(*_parts(x))
-
-
-def _full_manual(layout: Layout, local, plain, cts, red):
-    """Every mesh axis manual: each device's blocks, the reduced inputs' cotangents out as ``unreduced``."""
+def _per_shard_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
     data = frozenset(layout.data)
-    in_specs = ([_full_spec(x) for x in plain], [_full_spec(c, _unreduced(c)) for c in cts])
-    out_specs = [_full_spec(x, data if r else frozenset()) for x, r in zip(plain, red, strict=True)]
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-        list(plain), list(cts)
+    res = [_Stacked.of(layout, x) for x in plain]
+    cot = [_Stacked.of(layout, c) for c in cts]
+    axes = [0 if r.stacked else None for r in res]
+
+    def per_shard(res_vals, ct_vals):
+        one = lambda rv, cv: vjp(rv, cv)  # noqa: E731
+        return jax.vmap(one, in_axes=(axes, [0 if c.stacked else None for c in cot]))(res_vals, ct_vals)
+
+    args = ([r.value for r in res], [c.value for c in cot])
+    try:
+        grads = per_shard(*args)
+    except (ValueError, TypeError):  # one shard's block is not Explicit-valid on its own (a gather): Auto inside
+        out_specs = [P(layout.data_spec, *_auto_free(x)) for x in plain]
+        grads = jax.sharding.auto_axes(per_shard, out_sharding=out_specs)(*args)
+    out = []
+    for g, x, r, rs in zip(grads, plain, red, res, strict=True):
+        if r:
+            out.append(_unstack(layout, g, x))  # a reduced input: each shard's partial
+        elif rs.stacked:
+            out.append(rs.unstack(g))  # a data-sharded input: its rows back in place
+        else:
+            out.append(jnp.sum(g, axis=0))  # a replicated input: the reduction JAX's own transpose would do
+    del data
+    return out
+
+
+def _custom_refusal() -> str:
+    return (
+        "value_and_grad(data_axes=...): loss_fn applies a jax.custom_vjp / jax.custom_jvp function to a parameter "
+        "sharded over the data axes (FSDP) before the parameter is gathered; the per-copy statistics need the rule "
+        "applied to the gathered copy, and JAX checks the rule's types against the sharded one. Gather the parameter "
+        "first (jax.reshard(w, P(...)) without the data axes) and apply the function to the result, or keep that "
+        "parameter replicated over the data axes."
     )
 
 
-def _data_manual(layout: Layout, local, plain, cts, red):
-    """Only the data axes manual. Unreduced values cross the boundary stacked over the data shards (a leading
-    axis of size ``shards``), which partial-manual ``shard_map``\\ s accept."""
-    data = frozenset(layout.data)
-    stacked_cts = [_stack(layout, c) if _unreduced(c) & data else c for c in cts]
-    lead = layout.data_spec
+def _auto_free(x: Any) -> tuple[Any, ...]:
+    """``x``'s partitions without the data axes (the stacked leading axis carries them)."""
+    return tuple(None for _ in _parts(x))
 
-    def body(plain, cts):
-        cts = [c[0] if _unreduced(orig) & data else c for c, orig in zip(cts, cts_types, strict=True)]
-        grads = local(plain, cts)
-        return [g[None] if r else g for g, r in zip(grads, red, strict=True)]
 
-    cts_types = list(cts)
-    in_specs = (
-        [_manual_spec(layout, x) for x in plain],
-        [
-            P(lead, *_manual_spec(layout, c).partitions) if _unreduced(c) & data else _manual_spec(layout, c)
-            for c in cts
-        ],
-    )
-    out_specs = [
-        P(lead, *_manual_spec(layout, x).partitions) if r else _manual_spec(layout, x)
-        for x, r in zip(plain, red, strict=True)
-    ]
-    grads = jax.shard_map(
-        body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=data, check_vma=False
-    )(list(plain), stacked_cts)
-    return [_unstack(layout, g, x) if r else g for g, x, r in zip(grads, plain, red, strict=True)]
+@dataclasses.dataclass
+class _Stacked:
+    """A value as the per-shard ``vmap`` sees it: stacked on a leading axis of size ``shards``, or whole."""
+
+    value: Any
+    stacked: bool
+    dim: int = -1
+    like: Any = None
+
+    @classmethod
+    def of(cls, layout: Layout, x: Any) -> _Stacked:
+        data = frozenset(layout.data)
+        if not hasattr(x, "shape"):
+            return cls(x, False)
+        if _unreduced(x) & data:  # each shard's partial
+            return cls(_stack(layout, x), True, like=x)
+        if not jnp.ndim(x):
+            return cls(x, False)
+        parts = _parts(x)
+        for d, entry in enumerate(parts):
+            axes = _layout.spec_axes(entry)
+            if axes[: len(layout.data)] == layout.data:
+                rest = axes[len(layout.data) :]
+                shape = x.shape[:d] + (layout.shards, x.shape[d] // layout.shards) + x.shape[d + 1 :]
+                spec = (*parts[:d], layout.data_spec, (rest[0] if len(rest) == 1 else rest) or None, *parts[d + 1 :])
+                y = x.reshape(shape, out_sharding=P(*spec))
+                return cls(jnp.moveaxis(y, d, 0), True, d, x)
+            if data & set(axes):
+                raise ValueError(
+                    f"value_and_grad(data_axes={layout.data_spec!r}): an operand sharded {P(*parts)} splits the data "
+                    "axes in an order the drop-in cannot take apart per shard; shard the batch dimension over the "
+                    "data axes first (in mesh order)."
+                )
+        return cls(x, False)
+
+    def unstack(self, g: Any) -> Any:
+        """Per-shard cotangents ``(shards, ...)`` back into the rows of the original operand."""
+        y = jnp.moveaxis(g, 0, self.dim)
+        shape = self.like.shape
+        return y.reshape(shape, out_sharding=P(*_parts(self.like)))
 
 
 def _stack(layout: Layout, u: Any) -> Any:
@@ -761,9 +807,9 @@ def _unstack(layout: Layout, st: Any, like: Any) -> Any:
     )(st)
 
 
-def _manual_spec(layout: Layout, x: Any) -> P:
-    """``x``'s spec over the data axes only (the partial-manual ``shard_map``'s view), unreduced kept."""
-    others = frozenset(layout.axis_names) - frozenset(layout.data)
-    parts = tuple(_strip(e, others) for e in _parts(x))
-    unreduced = _unreduced(x) & frozenset(layout.data)
-    return P(*parts, unreduced=unreduced) if unreduced else P(*parts)
+
+
+def _reduce(x: Any, data: frozenset[str]) -> Any:
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and not data & _axes_of(x):
+        return jax.reshard(x, P(*_parts(x), reduced=data))
+    return x

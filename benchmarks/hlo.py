@@ -1,6 +1,6 @@
 """Facts read off compiled HLO text, shared by the tests and the benchmarks.
 
-Not public API. The parser understands just enough of XLA's text format to
+The parser understands just enough of XLA's text format to
 tell which computations run unconditionally (reachable from ``ENTRY`` without
 entering a ``conditional`` branch), to count collectives and host callbacks, and
 to size what the entry computation's instructions read and write.
@@ -226,3 +226,119 @@ def collective_bytes(text: str, min_elements: int = 64) -> dict[str, int]:
         if op == "all-reduce" and not big:
             small_all_reduces += 1
     return {"large_bytes": large, "small_bytes": small, "small_all_reduces": small_all_reduces}
+
+
+# --------------------------------------------------------------------------- executions and device groups
+
+_TRIP = re.compile(r'known_trip_count":\{"n":"(\d+)"')
+
+
+def multiplicity(text: str) -> dict[str, int]:
+    """How often each computation runs per call: 1 for ``ENTRY``; a ``while`` loop's body and condition its
+    known trip count times its own (an unknown count reads 1); any other callee as often as its caller (a
+    conditional's branches: an upper bound)."""
+    comps, entry = _split(text)
+    runs: dict[str, int] = {entry: 1}
+    order = [entry]
+    for name in order:
+        for line in comps.get(name, []):
+            trip = 1
+            if " while(" in line:
+                m = _TRIP.search(line)
+                trip = int(m.group(1)) if m else 1
+            for key, target in _CALLEE.findall(line):
+                for callee in (t.strip().lstrip("%") for t in target.strip("{}").split(",")):
+                    times = runs[name] * (trip if key in ("body", "condition") else 1)
+                    if callee not in runs:
+                        order.append(callee)
+                    runs[callee] = max(runs.get(callee, 0), times)
+    return runs
+
+
+def executed_collective_bytes(text: str, min_elements: int = 64) -> dict[str, int]:
+    """:func:`collective_bytes` with every instruction counted as often as it runs (loops by their trip count)."""
+    comps, _ = _split(text)
+    runs = multiplicity(text)
+    large = small = 0
+    for name, lines in comps.items():
+        for line in lines:
+            m = _COLLECTIVE_LINE.match(line)
+            if not m:
+                continue
+            sizes = [(math.prod(dims), _DTYPE_BYTES[dtype] * math.prod(dims)) for dtype, dims in arrays(m.group(1))]
+            large += runs.get(name, 1) * sum(b for c, b in sizes if c >= min_elements)
+            small += runs.get(name, 1) * sum(b for c, b in sizes if c < min_elements)
+    return {"large_bytes": large, "small_bytes": small}
+
+
+def replica_groups(line: str, num_devices: int) -> list[set[int]]:
+    """The device groups of one collective instruction, in any of XLA's three text formats."""
+    import numpy as np
+
+    m = re.search(r"replica_groups=\{(\{[\d,\s]*\}(?:,\s*\{[\d,\s]*\})*)\}", line)
+    if m:
+        return [{int(v) for v in g.split(",") if v.strip()} for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        ids = np.arange(num_devices).reshape([int(v) for v in m.group(3).split(",")])
+        if m.group(4):
+            ids = ids.transpose([int(v) for v in m.group(4).split(",")])
+        return [set(row) for row in ids.reshape(int(m.group(1)), int(m.group(2))).tolist()]
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", line
+    )
+    if m:
+        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        ids = np.arange(num_devices)
+        if m.group(2):
+            ids = ids.reshape([int(v) for v in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+        ids = ids.reshape([int(size) for _, size in axes])
+        names = [name for name, _ in axes]
+        reduced = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
+        kept = [i for i in range(len(names)) if i not in reduced]
+        ids = ids.transpose(kept + reduced).reshape(-1, int(np.prod([ids.shape[i] for i in reduced] or [1])))
+        return [set(row) for row in ids.tolist()]
+    return [set(range(num_devices))]  # no groups: all devices
+
+
+def data_reductions_in_loops(text: str, data_of: dict[int, int], min_elements: int = 64) -> int:
+    """Gradient-sized reductions (all-reduce, reduce-scatter) across the data axes inside ``while`` loops.
+
+    ``data_of`` maps a device id to its data coordinate: a group spanning two coordinates reduces over data.
+    """
+    comps, _ = _split(text)
+    runs = multiplicity(text)
+    total = 0
+    for name, lines in comps.items():
+        if runs.get(name, 1) <= 1 and not _in_loop(name, text):
+            continue
+        for line in lines:
+            m = _COLLECTIVE_LINE.match(line)
+            if not m or m.group(2) not in ("all-reduce", "reduce-scatter"):
+                continue
+            if not any(math.prod(dims) >= min_elements for _, dims in arrays(m.group(1))):
+                continue
+            total += any(len({data_of[d] for d in g}) > 1 for g in replica_groups(line, len(data_of)))
+    return total
+
+
+def _in_loop(name: str, text: str) -> bool:
+    """Whether computation ``name`` runs inside a ``while`` loop (even one of unknown or unit trip count)."""
+    comps, _ = _split(text)
+    bodies = set()
+    for lines in comps.values():
+        for line in lines:
+            if " while(" in line:
+                bodies.update(t.lstrip("%") for key, t in _CALLEE.findall(line) if key in ("body", "condition"))
+    seen, stack = set(), list(bodies)
+    while stack:
+        c = stack.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c]:
+            for _, target in _CALLEE.findall(line):
+                stack.extend(t.strip().lstrip("%") for t in target.strip("{}").split(","))
+    return name in seen
