@@ -108,6 +108,7 @@ def get_adascale_state(opt_state: Any) -> AdaScaleState:
     """
     if _is_state(opt_state):
         return opt_state
+    _refuse_multisteps_around(opt_state)
     try:
         state = optax.tree.get(opt_state, "AdaScaleState", filtering=lambda _, v: _is_state(v))
     except KeyError as err:
@@ -119,6 +120,20 @@ def get_adascale_state(opt_state: Any) -> AdaScaleState:
     if len(found) != 1:
         raise ValueError(f"expected exactly one AdaScaleState in opt_state, found {len(found)}")
     return found[0]
+
+
+def _refuse_multisteps_around(opt_state: Any) -> None:
+    """``optax.MultiSteps(adascale(...), k)``: AdaScale updates once per k calls on the last call's statistics."""
+    is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+    for node in jax.tree.leaves(opt_state, is_leaf=is_multi):
+        if is_multi(node) and any(_is_state(x) for x in jax.tree.leaves(node.inner_opt_state, is_leaf=_is_state)):
+            raise ValueError(
+                "optax.MultiSteps around AdaScale: MultiSteps averages k calls' gradients and passes AdaScale the "
+                "last call's statistics only, so its samples, scale and gain are one call's, not the k calls'. "
+                "Accumulate inside AdaScale instead: adascale_sgd(..., accumulation_steps=k) for per-replica "
+                "steps, or optax_adascale.value_and_grad(loss_fn, data_axes=..., num_microbatches=k) in a jit "
+                "step over the global batch."
+            )
 
 
 def scale_invariant_steps(opt_state: Any) -> jax.Array:

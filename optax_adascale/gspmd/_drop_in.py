@@ -130,6 +130,8 @@ def value_and_grad(
                 "num_microbatches=k > 1 to take k samples per step."
             )
         with _mesh_context(the_mesh, mesh):
+            if layout.shards == 1:  # one data shard: no copies to tell apart, the k micro-batches are the samples
+                return _one_shard(loss_fn, has_aux, layout, params, args, unroll)
             convert = _layout.auto_axes(the_mesh)
             if convert:
                 return _converted(loss_fn, has_aux, layout, the_mesh, convert, params, args, unroll)
@@ -274,6 +276,34 @@ def _check_batch_sharded(layout: Layout, args: Any) -> None:
         "Name the mesh axes the batch's rows are split over (e.g. data_axes='data'), and shard the batch that way "
         f"(jax.device_put(x, P({layout.data_spec!r})), or the jit's in_shardings)."
     )
+
+
+def _one_shard(loss_fn, has_aux, layout: Layout, params, args, unroll=1):
+    """A single data shard: ``jax.value_and_grad`` per micro-batch, each micro-batch's gradient a sample."""
+    _check_batch_sharded(layout, args)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    sq = lambda g: jnp.sum(jnp.square(g.astype(jnp.float32)))  # noqa: E731
+    if layout.k == 1:
+        value, grads = grad_fn(params, *args)
+        sqs = jax.tree.map(sq, grads)
+        return value, grads, MicrobatchStats(sqs, 1, mean_sq_norms=sqs)
+    split = _Split.of(layout, args)
+
+    def body(carry, micro):
+        acc, sq_acc = carry
+        value, grads = grad_fn(params, *split._batch(micro))
+        acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+        return (acc, jax.tree.map(lambda s, g: s + sq(g), sq_acc, grads)), value
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+    sq_zeros = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params)
+    xs = [split._micro(split.flat[i]) for i in split.rows]
+    (acc, sq_acc), values = lax.scan(body, (zeros, sq_zeros), xs, unroll=unroll)
+    k = layout.k
+    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+    value = (jnp.mean(values[0]), jax.tree.map(_combine, values[1])) if has_aux else jnp.mean(values)
+    stats = MicrobatchStats(jax.tree.map(lambda s: s / k, sq_acc), k, mean_sq_norms=jax.tree.map(sq, grads))
+    return value, grads, stats
 
 
 # --------------------------------------------------------------------------- k micro-batches

@@ -1,0 +1,109 @@
+"""The traps a new user of the drop-in met (issue 26 §6): each is refused with the fix, or works.
+
+Each test here failed on 0.2: the mis-named data axis trained on model shards as samples, a 1-device mesh
+said nothing, ``optax.MultiSteps`` around AdaScale reported one call's scale, and clipping ``grads`` before
+``update`` pinned the gain at S.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_adascale
+
+ROWS, DIM, CLASSES = 64, 8, 4
+
+
+def batch(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(ROWS, DIM)).astype(np.float32)
+    y = rng.integers(0, CLASSES, size=(ROWS,)).astype(np.int32)
+    return x, y
+
+
+def init_params():
+    rng = np.random.default_rng(1)
+    return {"w": (rng.normal(size=(DIM, CLASSES)) / 3).astype(np.float32), "b": np.zeros(CLASSES, np.float32)}
+
+
+def loss_fn(params, x, y):
+    logits = jax.nn.relu(x @ params["w"] + params["b"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def test_data_axes_naming_an_axis_the_batch_is_not_sharded_over_raises():
+    # The batch is split over "data"; data_axes="model" would take the model shards (copies of the same rows'
+    # computation) as gradient samples.
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch())
+    fn = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="model"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"no argument is sharded over \('model',\).*data_axes="):
+        fn(init_params(), x, y)
+
+
+def test_a_one_device_data_axis_warns_that_adascale_is_the_identity():
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch())
+    fn = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data"))
+    with jax.set_mesh(mesh), pytest.warns(UserWarning, match=r"single device.*n = 1.*num_microbatches"):
+        value, grads, stats = fn(init_params(), x, y)
+    ref_value, ref_grads = jax.value_and_grad(loss_fn)(init_params(), *batch())
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    assert stats.num_microbatches == 1
+    with jax.set_mesh(mesh), warnings.catch_warnings():  # k = 2 gives two samples: no warning
+        warnings.simplefilter("error")
+        value, grads, stats = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=2))(
+            init_params(), x, y
+        )
+    halves = [jax.grad(loss_fn)(init_params(), *(a[h * 32 : (h + 1) * 32] for a in batch())) for h in (0, 1)]
+    np.testing.assert_allclose(grads["w"], (halves[0]["w"] + halves[1]["w"]) / 2, rtol=1e-5, atol=1e-7)
+    expected = np.mean([np.sum(np.square(h["w"])) for h in halves])  # each half's gradient is a sample
+    assert stats.num_microbatches == 2 and float(stats.sq_norms["w"]) == pytest.approx(expected, rel=1e-5)
+
+
+def test_optax_multisteps_around_adascale_is_refused_with_the_fix():
+    tx = optax.MultiSteps(optax_adascale.adascale_sgd(0.1, momentum=0.9), every_k_schedule=4)
+    state = tx.init(init_params())
+    for reader in (optax_adascale.metrics, optax_adascale.scale_invariant_steps, optax_adascale.get_adascale_state):
+        with pytest.raises(ValueError, match=r"optax.MultiSteps around AdaScale.*num_microbatches=k"):
+            reader(state)
+    with pytest.raises(ValueError, match=r"optax.MultiSteps around AdaScale"):
+        optax_adascale.done(state, 100)
+    # AdaScale around an optimizer that is not MultiSteps, inside a chain, is still read
+    chained = optax.chain(optax.clip_by_global_norm(1.0), optax_adascale.adascale_sgd(0.1)).init(init_params())
+    assert float(optax_adascale.metrics(chained)["scale_invariant_steps"]) == 0.0
+
+
+@pytest.mark.parametrize("clip", [optax.clip_by_global_norm(1e-3), optax.scale(1e-2)])
+def test_grads_changed_between_the_drop_in_and_update_leave_the_gain_as_unchanged(clip):
+    """MaxText clips grads in train_step, loss scaling rescales them: AdaScale reads ‖ḡ‖² from stats (the true
+    mean gradient, computed in the drop-in's program), so at every step of a clipped run the gain and the
+    estimator's state equal those of the same update given the unchanged grads."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9)
+    clip_state = clip.init(init_params())
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        _, grads, stats = grad_fn(params, x, y)
+        clipped, _ = clip.update(grads, clip_state)
+        updates, new_state = tx.update(clipped, opt_state, params, microbatch_stats=stats)
+        _, unclipped_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+        return optax.apply_updates(params, updates), new_state, unclipped_state, optax.tree.norm(clipped)
+
+    with jax.set_mesh(mesh):
+        params, opt_state = init_params(), tx.init(init_params())
+        for seed in range(4):
+            x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch(seed))
+            params, opt_state, unclipped_state, norm = step(params, opt_state, x, y)
+            ours, ref = (optax_adascale.get_adascale_state(s) for s in (opt_state, unclipped_state))
+            for field in ("gain", "grad_var", "grad_sqr", "tau_frac"):
+                np.testing.assert_allclose(float(getattr(ours, field)), float(getattr(ref, field)), rtol=1e-6)
+            assert float(norm) < 0.1  # the clip (or scale) was active
