@@ -107,10 +107,12 @@ def value_and_grad(
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax_adascale
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jax.make_mesh((1,), ("data",))
       >>> loss = lambda w, x: jnp.mean(x @ w)
       >>> fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=2, mesh=mesh))
-      >>> value, grads, stats = fn(jnp.ones(2), jnp.array([[1.0, 0.0], [0.0, 1.0]]))
+      >>> x = jax.device_put(jnp.array([[1.0, 0.0], [0.0, 1.0]]), NamedSharding(mesh, P("data")))
+      >>> value, grads, stats = fn(jnp.ones(2), x)
       >>> grads, stats.sq_norms, stats.num_microbatches
       (Array([0.5, 0.5], dtype=float32), Array(1., dtype=float32), 2)
     """

@@ -1,0 +1,191 @@
+"""The GSPMD drop-in against the user's own step: collectives, memory, compile time and CPU wall time.
+
+On 8 CPU devices as ``(data 4, model 2)``, Explicit axes (``jax.make_mesh``'s default), one training step
+of each model over the global batch is compiled as a user writes it (``jax.jit(step, donate_argnums=(0,
+1))``, and again with ``out_shardings``), three ways:
+
+  drop-in    ``optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k)`` + ``adascale_sgd``
+  same-opt   ``jax.value_and_grad(loss)`` + the same ``adascale_sgd``, fed the statistics of n samples computed
+             from the gradient (the optimizer's whole estimator compiled, so the difference is the drop-in's)
+  sgd        ``jax.value_and_grad(loss)`` + ``optax.sgd(momentum=0.9)``
+
+With ``k`` micro-batches the user's step is the user's own accumulation (``user_value_and_grad``: a scan of
+``jax.value_and_grad`` over the same micro-batches, as MaxText's gradient accumulation).
+
+Reported per model × layout × k: gradient-sized bytes moved by collectives (``benchmarks.hlo``), extra
+scalar all-reduces, the collectives inside the micro-batch loop, memory per device
+(``compiled.memory_analysis()``: arguments + outputs + temporaries − donated aliases), compile time
+(lower + compile, median of alternated rounds) and CPU wall time per step (alternated timed blocks, median
+of the per-round ratios). Gates: bytes ≤ SGD's, ≤ 2 extra scalar all-reduces, memory ≤ 1.05 × SGD's + 4 KiB,
+compile ≤ 1.3 × same-opt's, wall ≤ 1.1 × same-opt's. One documented allowance on memory: with k > 1, an FSDP
+leaf the loss uses at more than one place (the LM's tied embedding) is gathered once before the micro-batch
+loop and its partial gradient accumulates at full size, so its full size is added (``Model.hoisted_bytes``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import optax_adascale  # noqa: E402
+from benchmarks import hlo  # noqa: E402
+from benchmarks.gspmd import models  # noqa: E402
+
+VARIANTS = ("drop-in", "same-opt", "sgd")
+
+
+def _spec_tree(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a.sharding, tree)
+
+
+def user_value_and_grad(loss, k: int, shards: int = 4):
+    """The user's own step: ``jax.value_and_grad`` of the loss; with ``k > 1`` the user's own accumulation (as
+    MaxText's ``gradient_accumulation_steps``): a ``lax.scan`` over the k micro-batches (micro-batch ``j``: the
+    ``j``-th block of every data shard's rows, as the drop-in's), gradients summed and divided by k."""
+    grad_fn = jax.value_and_grad(loss)
+    if k == 1:
+        return grad_fn
+
+    def split(x):
+        rest = (None,) * (x.ndim - 1)
+        y = x.reshape((shards, k, x.shape[0] // (shards * k)) + x.shape[1:], out_sharding=P("data", None, None, *rest))
+        return jnp.moveaxis(y, 1, 0)
+
+    def join(m):
+        return m.reshape((m.shape[0] * m.shape[1],) + m.shape[2:], out_sharding=P("data", *(None,) * (m.ndim - 2)))
+
+    def fn(params, *batch):
+        def body(acc, micro):
+            value, grads = grad_fn(params, *[join(m) for m in micro])
+            return jax.tree.map(lambda a, g: a + g, acc, grads), value
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        acc, values = jax.lax.scan(body, zeros, [split(x) for x in batch])
+        return jnp.mean(values), jax.tree.map(lambda a: a / k, acc)
+
+    return fn
+
+
+def make_step(variant: str, model: models.Model, k: int):
+    """``(params, opt_state, *batch) -> (params, opt_state, loss)`` and its optimizer."""
+    loss = model.loss
+    if variant == "sgd":
+        tx = optax.sgd(0.1, momentum=0.9)
+    else:
+        tx = optax_adascale.adascale_sgd(0.1, momentum=0.9)
+    grad_fn = optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k)
+    users = user_value_and_grad(loss, k)
+    n = 4 * k
+
+    def step(params, opt_state, *batch):
+        if variant == "drop-in":
+            value, grads, stats = grad_fn(params, *batch)
+            updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+        elif variant == "same-opt":
+            value, grads = users(params, *batch)
+            sq = jax.tree.map(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))), grads)
+            stats = optax_adascale.MicrobatchStats(sq, n, mean_sq_norms=sq)
+            updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+        else:
+            value, grads = users(params, *batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step, tx
+
+
+def _memory(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def measure(model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: int = 0) -> dict[str, Any]:
+    """Compile the three variants (alternately, ``rounds`` times) and read their facts; time ``time_steps``."""
+    with jax.set_mesh(mesh):
+        params, batch = model.place(mesh)
+        out: dict[str, Any] = {v: {"compile_s": []} for v in VARIANTS}
+        compiled: dict[str, Any] = {}
+        states = {}
+        for r in range(rounds):
+            for v in VARIANTS:
+                step, tx = make_step(v, model, k)
+                state = jax.jit(tx.init)(params)
+                states[v] = state
+                jitted = jax.jit(step, donate_argnums=(0, 1))
+                t0 = time.perf_counter()
+                c = jitted.lower(params, state, *batch).compile()
+                out[v]["compile_s"].append(time.perf_counter() - t0)
+                if r == 0:
+                    compiled[v] = (c, step, state)
+        data_of = {d.id: i for i, row in enumerate(np.asarray(mesh.devices).reshape(4, -1)) for d in row}
+        for v in VARIANTS:
+            c = compiled[v][0]
+            text = c.as_text()
+            out[v].update(
+                memory=_memory(c),
+                gradient_bytes=hlo.executed_collective_bytes(text)["large_bytes"],
+                scalar_all_reduces=hlo.collective_bytes(text)["small_all_reduces"],
+                data_reductions_in_loops=hlo.data_reductions_in_loops(text, data_of),
+                host_callbacks=hlo.count_host_callbacks(text),
+                compile=statistics.median(out[v]["compile_s"]),
+            )
+            # with out_shardings: the params and state come back as they went in
+            p_sh, s_sh = _spec_tree(params), _spec_tree(compiled[v][2])
+            jitted = jax.jit(compiled[v][1], donate_argnums=(0, 1), out_shardings=(p_sh, s_sh, NamedSharding(mesh, P())))
+            c2 = jitted.lower(params, compiled[v][2], *batch).compile()
+            out[v]["memory_out_shardings"] = _memory(c2)
+        out["allowance"] = model.hoisted_bytes(k)
+        if time_steps:
+            out["wall"] = _time(model, k, params, batch, time_steps)
+    return out
+
+
+def _time(model, k, params, batch, steps: int, rounds: int = 7) -> dict[str, float]:
+    """Alternated timed blocks of ``steps`` steps (drop-in, same-opt); the median of the per-round ratios."""
+    runners = {}
+    for v in ("drop-in", "same-opt"):
+        step, tx = make_step(v, model, k)
+        f = jax.jit(step)
+        state = jax.jit(tx.init)(params)
+        jax.block_until_ready(f(params, state, *batch))
+        runners[v] = (f, state)
+    times: dict[str, list[float]] = {v: [] for v in runners}
+    for _ in range(rounds):
+        for v, (f, state) in runners.items():
+            p, s = params, state
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                p, s, _ = f(p, s, *batch)
+            jax.block_until_ready(p)
+            times[v].append(time.perf_counter() - t0)
+    ratios = np.asarray(times["drop-in"]) / np.asarray(times["same-opt"])
+    return {"median": float(np.median(ratios)), "min": float(ratios.min()), "max": float(ratios.max())}
+
+
+def gates(row: dict[str, Any]) -> dict[str, bool]:
+    """The issue's gates for one row (compile and wall against same-opt, the rest against SGD)."""
+    ours, same, sgd = row["drop-in"], row["same-opt"], row["sgd"]
+    slack = 4096 + row.get("allowance", 0)
+    out = {
+        "gradient_bytes": ours["gradient_bytes"] <= sgd["gradient_bytes"],
+        "scalar_all_reduces": ours["scalar_all_reduces"] - sgd["scalar_all_reduces"] <= 2,
+        "memory": ours["memory"] <= 1.05 * sgd["memory"] + slack,
+        "memory_out_shardings": ours["memory_out_shardings"] <= 1.05 * sgd["memory_out_shardings"] + slack,
+        "compile": ours["compile"] <= 1.3 * same["compile"],
+        "host_callbacks": ours["host_callbacks"] == 0,
+    }
+    if "wall" in row:
+        out["wall"] = row["wall"]["median"] <= 1.1
+    return out
