@@ -341,13 +341,9 @@ def data_axis_names(data_axes: Any) -> tuple[str, ...]:
 
 def legacy_mesh() -> Any:
     """The mesh of the old ``with mesh:`` form (invisible to ``get_abstract_mesh``), or ``None``."""
-    try:
-        from jax._src import mesh as mesh_lib
+    from optax_adascale import _compat
 
-        physical = mesh_lib.thread_resources.env.physical_mesh
-        return None if physical.empty else physical
-    except Exception:  # noqa: BLE001 - internals moved: nothing to report
-        return None
+    return _compat.legacy_mesh()
 
 
 def resolve_mesh(mesh: Any, names: tuple[str, ...]) -> Any:
@@ -399,13 +395,11 @@ def batch_rows(batch: Any, shards: int, k: int) -> int:
 
 def check_replica_axis_bound(mesh: Any, tree: Any) -> None:
     """``data_axes=None`` under a jit over a multi-device mesh with no replica axis bound: the user forgot data_axes."""
-    try:
-        from jax._src import core
+    from optax_adascale import _compat
 
-        if core.get_axis_env().axis_sizes:
-            return  # inside vmap/pmap/shard_map with named axes: per replica, as documented
-    except (ImportError, AttributeError):  # internals moved: stay silent rather than misfire
-        return
+    sizes_here = _compat.named_axis_sizes()
+    if sizes_here is None or sizes_here:  # unreadable (stay silent rather than misfire), or inside vmap/pmap/
+        return  # shard_map with named axes: per replica, as documented
     context = jax.sharding.get_abstract_mesh()
     if getattr(context, "manual_axes", ()):
         return

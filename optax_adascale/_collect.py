@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale import _groups
+from optax_adascale import _compat, _groups
 from optax_adascale._norms import STAT_DTYPE, leaf_sq_norm, low_precision
 
 Array = jax.Array
@@ -64,16 +64,8 @@ def axis_size(axis_name: AxisName | None) -> int:
 
 
 def varying_axes(x: Any) -> frozenset[str]:
-    """The manual axes ``x`` varies over (shard_map's varying type); empty where JAX records none.
-
-    The one place that reads the type: ``manual_axis_type.varying`` (JAX 0.10),
-    ``vma`` (other versions); neither present means no information.
-    """
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None and hasattr(mat, "varying"):
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
+    """The manual axes ``x`` varies over (shard_map's varying type); empty where JAX records none."""
+    return _compat.varying_axes(x)
 
 
 def vma_checked(name: str) -> bool:
@@ -186,25 +178,15 @@ def check_vmap_axis_not_explicit(grads: Any, axis_name: AxisName | None) -> None
     names = set(axis_names(axis_name))
     if not names:
         return
-    try:
-        from jax._src.interpreters import batching
-    except ImportError:  # pragma: no cover - internals moved
-        return
-    batch_trace = getattr(batching, "BatchTrace", None)
-    if batch_trace is None:  # pragma: no cover - internals moved
-        return
     found = {}
     for leaf in jax.tree.leaves(grads):
         explicit = _explicit_spec(leaf)
-        trace = getattr(leaf, "_trace", None)
-        while trace is not None:
-            data = getattr(trace, "axis_data", None) if isinstance(trace, batch_trace) else None
-            if data is not None and getattr(data, "name", None) in names:
+        for data in _compat.batch_trace_axes(leaf):
+            if getattr(data, "name", None) in names:
                 if getattr(data, "explicit_mesh_axis", None):
                     found[data.name] = data.explicit_mesh_axis
                 elif explicit:  # the mapped arrays themselves are sharded on Explicit axes
                     found[data.name] = explicit
-            trace = getattr(trace, "parent_trace", None)
     if found:
         raise ValueError(
             f"axis_name={axis_name!r}: the jax.vmap axes {found} map over (or carry) arrays sharded on Explicit "

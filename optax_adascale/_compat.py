@@ -103,15 +103,6 @@ def batch_trace_axes(x: Any) -> list[Any]:
     return found
 
 
-def reduced_on_mixed_meshes() -> bool:
-    """Whether ``reduced``/``unreduced`` shardings work on a mesh with Auto axes besides the Explicit ones.
-
-    JAX 0.10 asserts that every mesh axis is Explicit (``core.getu``); 0.11 allows the rest to stay Auto.
-    """
-    version = tuple(int(p) for p in jax.__version__.split(".")[:2] if p.isdigit())
-    return version >= (0, 11)
-
-
 # --------------------------------------------------------------------------- custom derivative calls
 
 
@@ -195,6 +186,11 @@ def custom_call_bind_params(
                 return [jnp.zeros(t.shape, jnp.float32) if i in zero_at else ct for i, (ct, t) in enumerate(zip(cts, types))]
 
             specs = [t.sharding.spec for t in types]
+            # an output's symbolic-zero cotangent is not a JAX value: dense zeros of its type, made here
+            args = [
+                jnp.zeros(a.aval.shape, a.aval.dtype, out_sharding=a.aval.sharding) if type(a) is SymbolicZero else a
+                for a in args
+            ]
             out = jax.sharding.auto_axes(run, axes=bwd_auto_axes, out_sharding=specs)(*args)
             cts = [ad.Zero(t.to_ct_aval()) if i in zero_at else ct for i, (ct, t) in enumerate(zip(out, types))]
             return (cts, None) if with_logs[0] else cts

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_adascale import _collect, _norms
+from optax_adascale import _compat, _collect, _norms
 
 Array = jax.Array
 
@@ -197,20 +197,9 @@ def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any,
 
 @contextlib.contextmanager
 def _off_mesh():
-    """Leave the caller's shard_map (its mesh and varying-type checks): the probes' vmap axes are no mesh axes.
-
-    ``_check_vma`` is JAX's internal switch behind ``shard_map(check_vma=...)``;
-    feature-tested, so if it moves the probe runs under the caller's setting.
-    """
-    from jax._src import config as jax_config  # noqa: PLC0415 - internal, feature-tested
-
-    check_vma = getattr(jax_config, "_check_vma", None)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-        if check_vma is None:
-            yield
-        else:
-            with check_vma(False):
-                yield
+    """Leave the caller's shard_map (its mesh and varying-type checks): the probes' vmap axes are no mesh axes."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), _compat.vma_checks_off():
+        yield
 
 
 def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any, model: _collect.ModelAxes) -> None:

@@ -72,7 +72,8 @@ def value_and_grad(
       rows: the leaves of the arguments sharded over the data axes on their first
       dimension are split, every other argument goes to each micro-batch whole);
       ``value``, ``grads`` and floating ``aux`` are the mean over the micro-batches
-      of ``jax.value_and_grad`` on each, integer ``aux`` the sum. The samples are
+      of ``jax.value_and_grad`` on each, integer ``aux`` the sum, boolean ``aux``
+      any, PRNG-key ``aux`` the last micro-batch's. The samples are
       ``shards × k``; the partial gradients accumulate unreduced and are reduced
       once, after the loop.
     - Meshes: Explicit axes (``jax.make_mesh``'s default) for every layout
@@ -157,7 +158,12 @@ def _per_replica(loss_fn, k, has_aux, mesh, unroll):
 
 
 def _combine(x: Any) -> Any:
-    """An aux leaf over the micro-batches (leading axis): floating leaves averaged, the rest (counts) summed."""
+    """An aux leaf over the micro-batches (leading axis): floating leaves averaged, integers (counts) summed,
+    booleans or'ed (a flag raised by any micro-batch), PRNG keys the last micro-batch's."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x[-1]
+    if x.dtype == jnp.bool_:
+        return jnp.any(x, axis=0)
     return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.sum(x, axis=0)
 
 
