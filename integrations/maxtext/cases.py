@@ -1,0 +1,119 @@
+"""Every case of the MaxText 0.2.5 trial, three runs each, and the table in README.md.
+
+Per case: (1) ``--check`` in float32 for 3 steps: our gradient against MaxText's own ``jax.value_and_grad`` of
+the same loss (with accumulation, its own Σ over micro-batches / Σ tokens) inside the same step; (2) AdaScale,
+MaxText's default bfloat16, until τ ≥ T; (3) MaxText unmodified for T iterations, its held-out loss read also at
+AdaScale's iteration count. MaxText's gradient clipping (``gradient_clipping_threshold=1.0``) stays on in all.
+
+    python cases.py [--steps 80] [--only NAME ...]     # inside the MaxText venv (run.sh makes it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+FSDP8 = ["ici_fsdp_parallelism=8"]
+CASES = {
+    "default: auto, scan, fsdp 8": (["shard_mode=auto", "scan_layers=true", *FSDP8], []),
+    "auto, no scan": (["shard_mode=auto", "scan_layers=false", *FSDP8], []),
+    "explicit, scan": (["shard_mode=explicit", "scan_layers=true", *FSDP8], []),
+    "explicit, no scan": (["shard_mode=explicit", "scan_layers=false", *FSDP8], []),
+    "auto, data 2 × fsdp 4": (["shard_mode=auto", "ici_data_parallelism=2", "ici_fsdp_parallelism=4"], []),
+    "explicit, data 2 × fsdp 4": (["shard_mode=explicit", "ici_data_parallelism=2", "ici_fsdp_parallelism=4"], []),
+    "auto, data 8": (["shard_mode=auto", "ici_data_parallelism=8", "ici_fsdp_parallelism=1"], []),
+    "explicit, data 8": (["shard_mode=explicit", "ici_data_parallelism=8", "ici_fsdp_parallelism=1"], []),
+    "auto, accumulation 2": (["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2"], []),
+    "explicit, accumulation 2": (["shard_mode=explicit", *FSDP8, "gradient_accumulation_steps=2"], []),
+    "auto, unequal tokens": (["shard_mode=auto", *FSDP8], ["--unequal"]),
+    "explicit, unequal tokens": (["shard_mode=explicit", *FSDP8], ["--unequal"]),
+    "explicit, accumulation 2, unequal tokens": (
+        ["shard_mode=explicit", *FSDP8, "gradient_accumulation_steps=2"],
+        ["--unequal"],
+    ),
+    "auto, dropout 0.1": (["shard_mode=auto", *FSDP8, "dropout_rate=0.1"], []),
+    "explicit, dropout 0.1": (["shard_mode=explicit", *FSDP8, "dropout_rate=0.1"], []),
+}
+
+
+def trial(mode: str, steps: int, out: Path, overrides, flags, extra=()) -> dict:
+    cmd = [sys.executable, str(HERE / "trial.py"), "--mode", mode, "--steps", str(steps), "--out", str(out)]
+    cmd += [*flags, *extra, "--", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=HERE)
+    if proc.returncode:
+        tail = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line or "error" in line]
+        raise RuntimeError(f"{' '.join(cmd)} failed: {tail[-3:]}")
+    return json.loads(out.read_text())
+
+
+def run_case(name: str, steps: int, runs: Path) -> dict:
+    overrides, flags = CASES[name]
+    stem = "".join(c if c.isalnum() else "_" for c in name)
+    check = trial("adascale", 3, runs / f"{stem}_check.json", [*overrides, "dtype=float32"], flags, ["--check"])
+    ada = trial("adascale", steps, runs / f"{stem}_adascale.json", overrides, flags)
+    ref = trial("maxtext", steps, runs / f"{stem}_maxtext.json", overrides, flags, ["--eval-at", str(ada["iterations"])])
+    step_time = lambda r: float(np.median(r["step_s"][2:]))  # noqa: E731 - past compilation
+    return {
+        "case": name,
+        "grad_rel_error_step1_f32": check["checks"][0]["grad_rel_error"],
+        "grad_rel_error_max_f32": max(c["grad_rel_error"] for c in check["checks"]),
+        "iterations": ada["iterations"],
+        "maxtext_iterations": ref["iterations"],
+        "tau": ada["tau"][-1],
+        "gain_mean": float(np.mean(ada["gain"])),
+        "gain_last": ada["gain"][-1],
+        "loss_adascale": ada["eval"]["end"],
+        "loss_maxtext_equal_tau": ref["eval"]["end"],
+        "loss_maxtext_equal_iterations": ref["eval"][f"it={ada['iterations']}"],
+        "step_time_ratio": step_time(ada) / step_time(ref),
+        "total_weights_logged": ada["total_weights_logged"],
+        "total_weights_true": ada["total_weights_true"],
+        "mesh": {k: v for k, v in ada["mesh"].items() if v > 1},
+        "axis_types": sorted(set(ada["axis_types"])),
+    }
+
+
+def table(rows, steps: int) -> str:
+    lines = [
+        "| case | gradient vs MaxText's, step 1 (float32) | iterations (MaxText: T) | τ | mean gain | held-out "
+        "loss: AdaScale / MaxText at equal τ / at equal iterations | step time ÷ MaxText's | total_weights logged "
+        "= true |",
+        "|---|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['grad_rel_error_step1_f32']:.1e} | {r['iterations']} ({r['maxtext_iterations']}) | "
+            f"{r['tau']:.0f} | {r['gain_mean']:.2f} | {r['loss_adascale']:.3f} / {r['loss_maxtext_equal_tau']:.3f} / "
+            f"{r['loss_maxtext_equal_iterations']:.3f} | {r['step_time_ratio']:.2f} | "
+            f"{'yes' if r['total_weights_logged'] == r['total_weights_true'] else 'NO'} "
+            f"({r['total_weights_logged']:.0f}) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=80, help="T (MaxText's steps)")
+    parser.add_argument("--only", nargs="*", default=None, help="case names (default: all)")
+    parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    args = parser.parse_args()
+    runs = HERE / "runs"
+    runs.mkdir(exist_ok=True)
+    rows = []
+    for name in args.only or CASES:
+        row = run_case(name, args.steps, runs)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    args.out.write_text(json.dumps({"T": args.steps, "rows": rows}, indent=1))
+    print(table(rows, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""One MaxText 0.2.5 run of a tiny decoder on CPU, unmodified or with AdaScale (the patched ``train_step``).
+
+The loop is ``train.py``'s own pieces (``train.initialize``, ``train_utils.setup_train_loop``,
+``jit_train_and_eval_step``, ``train.train_step``) without checkpoints and evals, fed byte-level text read
+from this Python's standard library (held-out windows for the loss), so that a gradient sample is a real one.
+It writes one JSON record: losses, gains, τ, step times and (``--check``) our gradient against MaxText's own
+``jax.value_and_grad`` of the same loss at every step.
+
+    python trial.py --mode adascale --steps 120 --out r.json -- shard_mode=explicit ici_fsdp_parallelism=8
+
+``--mode maxtext``: MaxText's AdamW for ``--steps`` iterations. ``--mode adascale``: AdaScale-AdamW with the
+same schedule until τ ≥ ``--steps``. ``--unequal``: every row padded after a random length (weight 0 past it),
+so the data shards hold unequal real-token counts. ``--eval-at N``: also the held-out loss at iteration N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # adascale_maxtext, imported by the patched train.py
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+TINY = [
+    "hardware=cpu",
+    "skip_jax_distributed_system=true",
+    "dataset_type=synthetic",
+    "base_emb_dim=64",
+    "base_num_query_heads=2",
+    "base_num_kv_heads=2",
+    "base_mlp_dim=128",
+    "base_num_decoder_layers=2",
+    "head_dim=32",
+    "vocab_size=256",
+    "max_target_length=64",
+    "per_device_batch_size=2",
+    "enable_checkpointing=false",
+    "learning_rate=3e-3",
+]
+
+
+def corpus() -> np.ndarray:
+    """This Python's standard library sources, as bytes (a fixed, offline text)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:200]
+    return np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
+
+
+def make_batch(text: np.ndarray, rows: int, length: int, seed: int, unequal: bool, held_out: bool) -> dict:
+    rng = np.random.default_rng(seed)
+    split = int(0.9 * len(text))
+    lo, hi = (split, len(text)) if held_out else (0, split)
+    starts = rng.integers(lo, hi - length - 1, rows)
+    tokens = np.stack([text[s : s + length + 1] for s in starts]).astype(np.int32)
+    seg = np.ones((rows, length), np.int32)
+    if unequal:  # real tokens then padding: weight 0 past a random length per row
+        lengths = rng.integers(length // 8, length + 1, rows)
+        seg = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int32)
+    pos = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
+    return {
+        "inputs": tokens[:, :-1] * seg,
+        "inputs_position": pos,
+        "inputs_segmentation": seg,
+        "targets": tokens[:, 1:] * seg,
+        "targets_position": pos,
+        "targets_segmentation": seg,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("maxtext", "adascale"), required=True)
+    parser.add_argument("--steps", type=int, required=True, help="T: MaxText's steps (AdaScale: until τ ≥ T)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--check", action="store_true", help="our gradient against MaxText's own, every step")
+    parser.add_argument("--unequal", action="store_true", help="padded rows: unequal real tokens per shard")
+    parser.add_argument("--eval-at", type=int, default=None, help="also the held-out loss at this iteration")
+    parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides")
+    args = parser.parse_args()
+
+    import adascale_maxtext
+    import maxtext
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.trainers.pre_train import train
+    from maxtext.utils import sharding, train_utils
+
+    import optax_adascale
+
+    if args.mode == "adascale":
+        adascale_maxtext.use_adascale(check=args.check)
+    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+    argv = [sys.argv[0], base, "run_name=trial", f"base_output_directory={args.out.parent / 'maxtext_out'}"]
+    config, recorder = train.initialize(argv + TINY + [f"steps={args.steps}"] + args.overrides)
+    (_, _, state_mesh_shardings, _, mesh, _, _, data_loader, _, _, state) = train_utils.setup_train_loop(
+        config, recorder
+    )
+    graphdef, state = nnx.split(state)
+    params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
+    p_train_step, _ = train_utils.jit_train_and_eval_step(
+        config, graphdef, mesh, state, state_mesh_shardings, train.train_step, train.eval_step, None, params_shardings
+    )
+
+    @jax.jit
+    def held_out_loss(state, batch):  # nats per real token (the loss is xent_sum alone with accumulation)
+        model = nnx.merge(graphdef, state).model
+        aux = train.loss_fn(model, config, batch, None, None, is_train=False)[1]
+        return aux["xent_sum"] / aux["total_weights"]
+
+    text = corpus()
+    rows, length = config.global_batch_size_to_load, config.max_target_length
+    put = lambda b: jax.device_put(b, data_loader.input_data_shardings)  # noqa: E731
+    held_out = [put(make_batch(text, rows, length, 10_000 + i, args.unequal, True)) for i in range(4)]
+    record = {
+        "mode": args.mode,
+        "overrides": args.overrides,
+        "unequal": args.unequal,
+        "T": args.steps,
+        "mesh": dict(mesh.shape),
+        "axis_types": [str(t) for t in mesh.axis_types],
+        "iterations": 0,
+        "loss": [],
+        "gain": [],
+        "tau": [],
+        "step_s": [],
+        "eval": {},
+    }
+
+    def evaluate(state) -> float:
+        with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
+            return float(np.mean([float(held_out_loss(state, b)) for b in held_out]))
+
+    it = 0
+    while True:
+        if args.mode == "maxtext" and it >= args.steps:
+            break
+        if args.mode == "adascale" and (optax_adascale.done(state, args.steps) or it >= args.steps):
+            break
+        if args.eval_at is not None and it == args.eval_at:
+            record["eval"][f"it={it}"] = evaluate(state)
+        host_batch = make_batch(text, rows, length, it, args.unequal, False)
+        batch = put(host_batch)
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
+            state, metrics = p_train_step(state, batch)
+        jax.block_until_ready(state)
+        record["step_s"].append(time.perf_counter() - t0)
+        record["loss"].append(float(metrics["scalar"]["learning/loss"]))
+        if args.mode == "adascale":
+            m = optax_adascale.metrics(state)
+            record["gain"].append(float(m["gain"]))
+            record["tau"].append(float(m["scale_invariant_steps"]))
+        it += 1
+    record["iterations"] = it
+    record["eval"]["end"] = evaluate(state)
+    record["checks"] = adascale_maxtext.CHECKS
+    record["total_weights_logged"] = float(metrics["scalar"]["learning/total_weights"])
+    record["total_weights_true"] = float(np.sum(host_batch["targets_segmentation"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record))
+    print(
+        f"{args.mode}: {it} iterations, held-out loss {record['eval']['end']:.3f}"
+        + (f", final gain {record['gain'][-1]:.2f}, τ {record['tau'][-1]:.0f}" if record["gain"] else "")
+        + (f", step-1 gradient error {record['checks'][0]['grad_rel_error']:.1e}" if record["checks"] else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
