@@ -21,8 +21,8 @@ from typing import Any
 
 import optax
 
-from optax_adascale import _adascale, _options
-from optax_adascale._adam import adam_preconditioner
+from optax_adascale.core import _adascale, _options
+from optax_adascale.core._adam import adam_preconditioner
 
 __all__ = ("adam_preconditioner", "adascale")
 

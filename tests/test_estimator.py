@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import optax_adascale
-from optax_adascale import _estimator as est
+from optax_adascale.core import _estimator as est
 
 # --------------------------------------------------------------------------- analytic truth
 

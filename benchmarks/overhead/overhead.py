@@ -152,7 +152,7 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
         "zero_floor": (sgd, 1),
         "zero": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, shard_optimizer_state=n), 1),
     }
-    from optax_adascale._zero import from_rows, to_rows
+    from optax_adascale.sharding._zero import from_rows, to_rows
 
     def zero_sgd_body(params, state, xb, yb, with_norm=False):
         """The honest baseline for ZeRO: SGD's own sharded update, same collectives, no statistics."""

@@ -63,7 +63,7 @@ def measure(jax, width: int) -> list[dict]:
 
     import optax_adascale
     from benchmarks import hlo as _hlo
-    from optax_adascale._zero import from_rows, to_rows
+    from optax_adascale.sharding._zero import from_rows, to_rows
 
     devices = np.array(jax.devices()[:8])
     mesh = jax.sharding.Mesh(devices.reshape(4, 2), ("data", "model"))

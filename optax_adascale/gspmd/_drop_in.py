@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from optax_adascale import _checks, _microbatch
-from optax_adascale._microbatch import MicrobatchStats
+from optax_adascale.core import _checks, _microbatch
+from optax_adascale.core._microbatch import MicrobatchStats
 from optax_adascale.gspmd import _layout, _rewrite
 from optax_adascale.gspmd._layout import Layout
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from optax_adascale._norms import STAT_DTYPE
+from optax_adascale.core._norms import STAT_DTYPE
 
 
 def spec_axes(entry: Any) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """The gradient noise scale for any optimizer: a pass-through transformation and its reader.
 
 ``noise_scale_monitor`` keeps AdaScale's moving averages ``σ̄²`` and ``μ̄²`` (the same
-estimator, :mod:`optax_adascale._estimator`) from the statistics that
+estimator, :mod:`optax_adascale.core._estimator`) from the statistics that
 :func:`optax_adascale.value_and_grad` returns, and hands the gradients on unchanged
 to whatever optimizer follows it in an ``optax.chain``. :func:`metrics` reads
 ``B_simple = σ̄²/μ̄²`` (McCandlish et al., 2018) off any optax state that holds it.
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale import _checks, _collect, _norms, _options
-from optax_adascale import _estimator as est
-from optax_adascale._microbatch import MicrobatchStats
+from optax_adascale.core import _checks, _collect, _norms, _options
+from optax_adascale.core import _estimator as est
+from optax_adascale.core._microbatch import MicrobatchStats
 
 Array = jax.Array
 
@@ -129,13 +129,12 @@ def noise_scale_monitor(
       ``μ̂² = b − σ̂²/2 = 1`` and the noise scale is 2 samples (32 examples of 16):
 
       >>> import jax.numpy as jnp, optax, optax_adascale
-      >>> from optax_adascale import _noise
       >>> tx = optax.chain(optax_adascale.noise_scale_monitor(batch_size=32), optax.adamw(1e-3))
       >>> params = jnp.zeros(2)
       >>> state = tx.init(params)
       >>> stats = optax_adascale.MicrobatchStats(jnp.float32(3.0), 2)  # mean_i ‖g_i‖², n
       >>> updates, state = tx.update(jnp.ones(2), state, params, microbatch_stats=stats)
-      >>> m = _noise.metrics(state)
+      >>> m = optax_adascale.metrics(state)
       >>> m["noise_scale"], m["noise_scale_examples"]
       (Array(2., dtype=float32), Array(32., dtype=float32))
 

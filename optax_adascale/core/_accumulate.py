@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale._varying import fresh_zeros, match_varying
+from optax_adascale.core._varying import fresh_zeros, match_varying
 
 Array = jax.Array
 

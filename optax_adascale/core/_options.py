@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from optax_adascale import _checks
-from optax_adascale import _estimator as est
+from optax_adascale.core import _checks
+from optax_adascale.core import _estimator as est
 
 # 0.2's estimator keywords, now fields of Estimator (``variance_eps`` was adascale_adamw's name for ``eps``).
 DEPRECATED = ("smoothing", "eps", "horizon", "unbiased_sqr", "memory_fraction", "variance_eps")

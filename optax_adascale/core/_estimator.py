@@ -98,7 +98,7 @@ class Estimator:
     min_updates: float | None = None
 
     def __post_init__(self) -> None:
-        from optax_adascale import _checks
+        from optax_adascale.core import _checks
 
         _checks.check_bool("fairscale", self.fairscale)
         if self.unbiased_sqr is not None:

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_adascale import _compat, _collect, _norms
+from optax_adascale import _compat
+from optax_adascale.core import _collect, _norms
 
 Array = jax.Array
 

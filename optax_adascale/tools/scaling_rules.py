@@ -55,7 +55,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_adascale import _checks
+from optax_adascale.core import _checks
 
 Array = jax.Array
 Schedule = Callable[[Any], Array]

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_adascale._norms import STAT_DTYPE
+from optax_adascale.core._norms import STAT_DTYPE
 
 Array = jax.Array
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import jax
 
-from optax_adascale import _norms
-from optax_adascale._microbatch import MicrobatchStats
+from optax_adascale.core import _norms
+from optax_adascale.core._microbatch import MicrobatchStats
 
 Array = jax.Array
 

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale import _checks, _collect, _groups, _norms
-from optax_adascale import _estimator as est
+from optax_adascale.core import _checks, _collect, _groups, _norms
+from optax_adascale.core import _estimator as est
 
 Array = jax.Array
 

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale import _compat, _groups
-from optax_adascale._norms import STAT_DTYPE, leaf_sq_norm, low_precision
+from optax_adascale import _compat
+from optax_adascale.core import _groups
+from optax_adascale.core._norms import STAT_DTYPE, leaf_sq_norm, low_precision
 
 Array = jax.Array
 AxisName = str | tuple[str, ...]

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale import _collect, _norms, _step, _zero
+from optax_adascale.core import _collect, _norms, _step
+from optax_adascale.sharding import _zero
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale import _checks
-from optax_adascale._norms import STAT_DTYPE, compute_dtype, leaf_sq_norm
-from optax_adascale._varying import match_varying
+from optax_adascale.core import _checks
+from optax_adascale.core._norms import STAT_DTYPE, compute_dtype, leaf_sq_norm
+from optax_adascale.core._varying import match_varying
 
 
 @jax.tree_util.register_dataclass
