@@ -112,21 +112,11 @@ def check_static_int(name: str, value: Any, *, low: int = 1, hint: str = "") -> 
 def check_learning_rate(learning_rate: Any) -> None:
     """A constant learning rate must be finite and non-negative; a schedule is checked when it runs.
 
-    Also refuses a schedule that ``optax.inject_hyperparams`` has already evaluated on
-    its own iteration count (see :func:`_injected_schedule`).
+    (A schedule that ``optax.inject_hyperparams`` evaluates on its own count is refused when the state is
+    read: ``_state.get_adascale_state``.)
     """
     if callable(learning_rate):
         return
-    name = _injected_schedule(learning_rate)
-    if name is not None:
-        raise ValueError(
-            f"learning_rate={learning_rate!r} is the schedule passed to optax.inject_hyperparams as {name!r}, "
-            "evaluated on inject_hyperparams' iteration count: AdaScale evaluates its schedule on the "
-            "scale-invariant step τ, which runs gain times faster, so on the count the schedule would be "
-            "stretched by the gain. Hand the schedule to AdaScale itself: optax.inject_hyperparams(factory, "
-            f"static_args=({name!r}, 'accumulation_steps'))({name}=schedule, ...), or call the factory "
-            "without inject_hyperparams."
-        )
     if concrete_float(learning_rate) is None and not _is_traced(learning_rate) and not hasattr(learning_rate, "dtype"):
         raise TypeError(f"learning_rate must be a number or a schedule, got learning_rate={learning_rate!r}")
     check_number("learning_rate", learning_rate, low=0.0)
@@ -153,33 +143,6 @@ def schedule_magnitude(learning_rate: Any) -> float:
         return 0.0
     values = values[np.isfinite(values)]
     return float(np.max(np.abs(values))) if values.size else 0.0
-
-
-def _injected_schedule(value: Any) -> str | None:
-    """The hyperparameter name if ``value`` is a schedule's value that ``optax.inject_hyperparams`` computed.
-
-    ``inject_hyperparams`` evaluates every callable hyperparameter on its own
-    ``count`` and calls the factory with the number. Its ``init_fn``/``update_fn``
-    hold the schedules (``sched_hps``) and the values passed (``hparams``): a
-    frame walk finds them. Reads optax internals behind a feature test: if they
-    move, nothing is recognised (and the docs' advice remains).
-    """
-    if not hasattr(value, "dtype"):
-        return None
-    frame: Any = sys._getframe(2)
-    for _ in range(12):
-        if frame is None:
-            return None
-        code = frame.f_code
-        if "inject_hyperparams" in getattr(code, "co_qualname", "") or (
-            "optax" in code.co_filename and "inject" in code.co_filename
-        ):
-            local = frame.f_locals
-            schedules, values = local.get("sched_hps"), local.get("hparams")
-            if isinstance(schedules, dict) and isinstance(values, dict):
-                return next((k for k in schedules if values.get(k) is value), None)
-        frame = frame.f_back
-    return None
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -325,99 +288,4 @@ def probe_inner(inner: optax.GradientTransformationExtraArgs, params: Any) -> No
             "would flip and training would ascend. Pass a learning-rate-free direction: "
             "optax.trace(0.9) for momentum SGD, optax.identity(), or optax.scale_by_adam() for Adam (or use "
             "optax_adascale.adascale_sgd / adascale_adamw)."
-        )
-
-
-# --------------------------------------------------------------------------- value_and_grad: mesh and batch
-
-
-def data_axis_names(data_axes: Any) -> tuple[str, ...]:
-    """``data_axes`` as a tuple of axis names; a ``TypeError`` for anything else."""
-    names = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
-    if not names or not all(isinstance(a, str) for a in names):
-        raise TypeError(f"data_axes must be a mesh axis name or a tuple of names, got data_axes={data_axes!r}")
-    return names
-
-
-def legacy_mesh() -> Any:
-    """The mesh of the old ``with mesh:`` form (invisible to ``get_abstract_mesh``), or ``None``."""
-    from optax_adascale import _compat
-
-    return _compat.legacy_mesh()
-
-
-def resolve_mesh(mesh: Any, names: tuple[str, ...]) -> Any:
-    """``mesh``, else the one set by ``jax.set_mesh``; a ``ValueError`` if none, or if it lacks ``names``."""
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty:
-            legacy = legacy_mesh()
-            hint = (
-                " A `with mesh:` block is in effect: that old form is invisible here; use "
-                "`with jax.set_mesh(mesh):` instead."
-                if legacy is not None
-                else ""
-            )
-            raise ValueError(
-                f"value_and_grad(data_axes={names if len(names) > 1 else names[0]!r}) needs the mesh: call the step "
-                "under `with jax.set_mesh(mesh):` (or `jax.set_mesh(mesh)`), or pass "
-                f"optax_adascale.value_and_grad(..., mesh=mesh).{hint}"
-            )
-    missing = [a for a in names if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(
-            f"data_axes={names if len(names) > 1 else names[0]!r}: {missing} not in the mesh, whose axes are "
-            f"{tuple(mesh.axis_names)}; name the axes the batch is sharded over."
-        )
-    return mesh
-
-
-def batch_rows(batch: Any, shards: int, k: int) -> int:
-    """The batch's rows (its leaves' common leading size), divisible by ``shards × k``."""
-    leaves = [x for x in jax.tree.leaves(batch) if jnp.ndim(x)]  # scalars go to every sample unchanged
-    if not leaves:
-        raise ValueError("value_and_grad(data_axes=...) needs a batch: call fn(params, *batch)")
-    sizes = {jnp.shape(x)[0] for x in leaves}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"every leaf of the batch but scalars must have the batch as its leading dimension, got leading "
-            f"sizes {sorted(sizes)}"
-        )
-    rows = sizes.pop()
-    if rows % (shards * k):
-        raise ValueError(
-            f"the batch has {rows} rows, not divisible by data shards × num_microbatches = {shards} × {k} = "
-            f"{shards * k}: each sample must have the same number of rows. Use a batch that is a multiple "
-            f"of {shards * k}."
-        )
-    return rows
-
-
-def check_replica_axis_bound(mesh: Any, tree: Any) -> None:
-    """``data_axes=None`` under a jit over a multi-device mesh with no replica axis bound: the user forgot data_axes."""
-    from optax_adascale import _compat
-
-    sizes_here = _compat.named_axis_sizes()
-    if sizes_here is None or sizes_here:  # unreadable (stay silent rather than misfire), or inside vmap/pmap/
-        return  # shard_map with named axes: per replica, as documented
-    context = jax.sharding.get_abstract_mesh()
-    if getattr(context, "manual_axes", ()):
-        return
-    sizes = [] if mesh is None else [mesh.size]
-    if not context.empty:
-        sizes.append(context.size)
-    legacy = legacy_mesh()
-    if legacy is not None:
-        sizes.append(legacy.size)
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(jax.typeof(leaf), "sharding", None)
-        leaf_mesh = getattr(sharding, "mesh", None)
-        if leaf_mesh is not None and not leaf_mesh.empty:
-            sizes.append(leaf_mesh.size)
-    if any(s > 1 for s in sizes):
-        raise ValueError(
-            "value_and_grad(data_axes=None) computes per-replica statistics, but no replica axis is bound "
-            f"here and the mesh has {max(sizes)} devices: under a jax.jit over the global batch the samples "
-            "would be only the micro-batches (n = num_microbatches). Pass data_axes= naming the mesh axes "
-            "the batch is sharded over (e.g. data_axes='data')."
         )

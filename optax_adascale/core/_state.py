@@ -109,7 +109,7 @@ def get_adascale_state(opt_state: Any) -> AdaScaleState:
     """
     if _is_state(opt_state):
         return opt_state
-    _refuse_multisteps_around(opt_state)
+    _refuse_wrappers_around(opt_state)
     try:
         state = optax.tree.get(opt_state, "AdaScaleState", filtering=lambda _, v: _is_state(v))
     except KeyError as err:
@@ -123,17 +123,37 @@ def get_adascale_state(opt_state: Any) -> AdaScaleState:
     return found[0]
 
 
-def _refuse_multisteps_around(opt_state: Any) -> None:
-    """``optax.MultiSteps(adascale(...), k)``: AdaScale updates once per k calls on the last call's statistics."""
-    is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
-    for node in jax.tree.leaves(opt_state, is_leaf=is_multi):
-        if is_multi(node) and any(_is_state(x) for x in jax.tree.leaves(node.inner_opt_state, is_leaf=_is_state)):
+def _refuse_wrappers_around(opt_state: Any) -> None:
+    """Two optax wrappers change what AdaScale sees, recognisable from their states around AdaScale's:
+    ``optax.MultiSteps`` (one update per k calls, on the last call's statistics) and ``optax.inject_hyperparams``
+    with a learning-rate schedule (evaluated on its own count, so AdaScale gets a number, not a schedule on τ)."""
+
+    def holds_adascale(tree: Any) -> bool:
+        return any(_is_state(x) for x in jax.tree.leaves(tree, is_leaf=_is_state))
+
+    wrapper = lambda x: isinstance(x, (optax.MultiStepsState, optax.InjectStatefulHyperparamsState))  # noqa: E731
+    for node in jax.tree.leaves(opt_state, is_leaf=wrapper):
+        inside = getattr(node, "inner_opt_state", None) if isinstance(node, optax.MultiStepsState) else None
+        inside = getattr(node, "inner_state", None) if inside is None else inside
+        if not wrapper(node) or not holds_adascale(inside):
+            continue
+        if isinstance(node, optax.MultiStepsState):
             raise ValueError(
                 "optax.MultiSteps around AdaScale: MultiSteps averages k calls' gradients and passes AdaScale the "
                 "last call's statistics only, so its samples, scale and gain are one call's, not the k calls'. "
                 "Accumulate inside AdaScale instead: adascale_sgd(..., accumulation_steps=k) for per-replica "
                 "steps, or optax_adascale.value_and_grad(loss_fn, data_axes=..., num_microbatches=k) in a jit "
                 "step over the global batch."
+            )
+        scheduled = sorted(k for k in node.hyperparams_states if "learning_rate" in k or k in ("lr", "step_size"))
+        if scheduled:
+            raise ValueError(
+                f"optax.inject_hyperparams around AdaScale with a schedule for {scheduled[0]!r}: inject_hyperparams "
+                "evaluates it on its own iteration count and hands AdaScale a number, but AdaScale runs the "
+                "schedule on the scale-invariant step τ, which advances gain times faster. Hand the schedule to "
+                "AdaScale itself: optax.inject_hyperparams(factory, static_args=('learning_rate',))"
+                "(learning_rate=schedule, ...), or call the factory without inject_hyperparams; the learning rate "
+                "AdaScale applied is metrics(opt_state)['learning_rate']."
             )
 
 

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_adascale.core import _checks, _microbatch
 from optax_adascale.core._microbatch import MicrobatchStats
-from optax_adascale.gspmd import _layout, _rewrite
+from optax_adascale.gspmd import _layout, _mesh, _rewrite
 from optax_adascale.gspmd._layout import Layout
 
 
@@ -121,10 +121,10 @@ def value_and_grad(
     _checks.check_bool("has_aux", has_aux)
     if data_axes is None:
         return _per_replica(loss_fn, num_microbatches, has_aux, mesh, unroll)
-    names = _checks.data_axis_names(data_axes)
+    names = _mesh.data_axis_names(data_axes)
 
     def fn(params, *args):
-        the_mesh = _checks.resolve_mesh(mesh, names)
+        the_mesh = _mesh.resolve_mesh(mesh, names)
         layout = Layout.of(the_mesh, names, num_microbatches, mesh)
         if layout.shards == 1 and num_microbatches == 1:
             _checks.warn(
@@ -147,7 +147,7 @@ def _per_replica(loss_fn, k, has_aux, mesh, unroll):
     per_replica = _microbatch.per_replica(loss_fn, k, has_aux=has_aux, unroll=unroll)
 
     def fn(params, *batch):
-        _checks.check_replica_axis_bound(mesh, (params, batch))
+        _mesh.check_replica_axis_bound(mesh, (params, batch))
         value, grads, stats = per_replica(params, *batch)
         if has_aux:  # stacked over the k micro-batches: combined as for the global batch
             loss, aux = value

@@ -1,0 +1,72 @@
+"""The drop-in's mesh and batch: the data axes named, the mesh in context, the replica axis bound."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from optax_adascale import _compat
+
+
+
+def data_axis_names(data_axes: Any) -> tuple[str, ...]:
+    """``data_axes`` as a tuple of axis names; a ``TypeError`` for anything else."""
+    names = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    if not names or not all(isinstance(a, str) for a in names):
+        raise TypeError(f"data_axes must be a mesh axis name or a tuple of names, got data_axes={data_axes!r}")
+    return names
+
+
+def resolve_mesh(mesh: Any, names: tuple[str, ...]) -> Any:
+    """``mesh``, else the one set by ``jax.set_mesh``; a ``ValueError`` if none, or if it lacks ``names``."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            legacy = _compat.legacy_mesh()
+            hint = (
+                " A `with mesh:` block is in effect: that old form is invisible here; use "
+                "`with jax.set_mesh(mesh):` instead."
+                if legacy is not None
+                else ""
+            )
+            raise ValueError(
+                f"value_and_grad(data_axes={names if len(names) > 1 else names[0]!r}) needs the mesh: call the step "
+                "under `with jax.set_mesh(mesh):` (or `jax.set_mesh(mesh)`), or pass "
+                f"optax_adascale.value_and_grad(..., mesh=mesh).{hint}"
+            )
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"data_axes={names if len(names) > 1 else names[0]!r}: {missing} not in the mesh, whose axes are "
+            f"{tuple(mesh.axis_names)}; name the axes the batch is sharded over."
+        )
+    return mesh
+
+
+def check_replica_axis_bound(mesh: Any, tree: Any) -> None:
+    """``data_axes=None`` under a jit over a multi-device mesh with no replica axis bound: the user forgot data_axes."""
+    sizes_here = _compat.named_axis_sizes()
+    if sizes_here is None or sizes_here:  # unreadable (stay silent rather than misfire), or inside vmap/pmap/
+        return  # shard_map with named axes: per replica, as documented
+    context = jax.sharding.get_abstract_mesh()
+    if getattr(context, "manual_axes", ()):
+        return
+    sizes = [] if mesh is None else [mesh.size]
+    if not context.empty:
+        sizes.append(context.size)
+    legacy = _compat.legacy_mesh()
+    if legacy is not None:
+        sizes.append(legacy.size)
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        leaf_mesh = getattr(sharding, "mesh", None)
+        if leaf_mesh is not None and not leaf_mesh.empty:
+            sizes.append(leaf_mesh.size)
+    if any(s > 1 for s in sizes):
+        raise ValueError(
+            "value_and_grad(data_axes=None) computes per-replica statistics, but no replica axis is bound "
+            f"here and the mesh has {max(sizes)} devices: under a jax.jit over the global batch the samples "
+            "would be only the micro-batches (n = num_microbatches). Pass data_axes= naming the mesh axes "
+            "the batch is sharded over (e.g. data_axes='data')."
+        )
