@@ -7,14 +7,11 @@ Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
 import sys as _sys
 
 from optax_adascale import experimental
-from optax_adascale.tools import goodput, scaling_rules
 from optax_adascale.core._adascale import AdaScaleState, adascale
 from optax_adascale.core._alias import adascale_adamw, adascale_sgd
 from optax_adascale.core._estimator import Estimator
-from optax_adascale.sharding._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
 from optax_adascale.core._microbatch import MicrobatchStats
 from optax_adascale.core._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
-from optax_adascale.tools._noise import NoiseScaleState, noise_scale_monitor
 from optax_adascale.core._state import (
     done,
     get_adascale_state,
@@ -25,8 +22,12 @@ from optax_adascale.core._state import (
     state_partition_specs,
     transfer_state,
 )
-from optax_adascale.sharding._zero import ShardedInnerState, clip_by_global_norm, elementwise
 from optax_adascale.gspmd import value_and_grad
+from optax_adascale.sharding._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
+from optax_adascale.sharding._stand_in import elementwise
+from optax_adascale.sharding._zero import ShardedInnerState, clip_by_global_norm
+from optax_adascale.tools import goodput, scaling_rules
+from optax_adascale.tools._noise import NoiseScaleState, noise_scale_monitor
 
 # The public modules keep their paths: ``import optax_adascale.goodput`` is the tools wing's module.
 _sys.modules[__name__ + ".goodput"] = goodput

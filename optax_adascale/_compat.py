@@ -183,7 +183,9 @@ def custom_call_bind_params(
                     raise NotImplementedError("a custom_vjp backward rule with logs, on a converted Auto mesh")
                 zero_at[:] = [i for i, ct in enumerate(cts) if isinstance(ct, ad.Zero)]
                 # a symbolic zero cannot leave auto_axes: a dense stand-in, dropped below (and by XLA)
-                return [jnp.zeros(t.shape, jnp.float32) if i in zero_at else ct for i, (ct, t) in enumerate(zip(cts, types))]
+                return [
+                    jnp.zeros(t.shape, jnp.float32) if i in zero_at else ct for i, (ct, t) in enumerate(zip(cts, types))
+                ]
 
             specs = [t.sharding.spec for t in types]
             # an output's symbolic-zero cotangent is not a JAX value: dense zeros of its type, made here

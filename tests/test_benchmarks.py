@@ -200,7 +200,10 @@ def test_estimator_smoke_tables_agree_with_each_other(tmp_path):
         assert heading in text
     assert "not cached" in text and (tmp_path / "plots" / "estimator_tracking.png").stat().st_size > 0
 
-    names = ('FairScale (`estimator="fairscale"`, the 0.1–0.2 default)', "memory 0.1·τ, unbiased_sqr")  # the smoke's two
+    names = (
+        'FairScale (`estimator="fairscale"`, the 0.1–0.2 default)',
+        "memory 0.1·τ, unbiased_sqr",
+    )  # the smoke's two
     tracking = {r[2]: r[3] for r in _table_rows(text, "regression")}
     summary = {r[0]: r for r in (_table_rows(text, n)[0] for n in names)}
     quality = text[text.index("**noisy linear regression**") :]
@@ -215,9 +218,8 @@ def test_estimator_smoke_tables_agree_with_each_other(tmp_path):
 
 
 def test_the_estimator_study_names_the_package_default():
-    from benchmarks.estimator import estimator
-
     import optax_adascale
+    from benchmarks.estimator import estimator
 
     options = estimator.candidate_options(None, estimator.PACKAGE_DEFAULT, 4)
     assert optax_adascale.Estimator(**options) == optax_adascale.Estimator()

@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 from benchmarks import hlo as _hlo
-from optax_adascale.tools import _noise
 from optax_adascale.core._norms import leaf_sq_norm
+from optax_adascale.tools import _noise
 
 # --------------------------------------------------------------------------- closed form
 

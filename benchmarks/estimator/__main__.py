@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     scales, seeds = args.scales, list(range(args.seeds))
     num_evals, offline = estimator.NUM_EVALS, args.offline_batches
     names = args.tasks or (["regression"] if args.smoke else [n for n in setups if n not in tasks.OPT_IN])
-    candidates = args.candidates or ([estimator.FAIRSCALE, "frac(0.1)+unb"] if args.smoke else list(estimator.CANDIDATES))
+    candidates = args.candidates or (
+        [estimator.FAIRSCALE, "frac(0.1)+unb"] if args.smoke else list(estimator.CANDIDATES)
+    )
     if args.smoke:
         scales, seeds, num_evals, offline = [4], [0], 4, 16
     chosen = [setups[name] for name in names]

@@ -12,7 +12,7 @@ from benchmarks.harness import plots, report, stats
 SECTION = "estimator"
 GOAL = 0.10  # tracking error the default must stay within
 LABELS = {
-    "fairscale": "FairScale (`estimator=\"fairscale\"`, the 0.1–0.2 default)",
+    "fairscale": 'FairScale (`estimator="fairscale"`, the 0.1–0.2 default)',
     "H(T/100)+unb": "horizon=T/100, unbiased_sqr",
     "unb": "unbiased_sqr",
     "M(100)+unb": "θ = 1 − n/100, unbiased_sqr",
@@ -207,7 +207,11 @@ def write_report(
     path, setups, results, candidates, scales, seeds, plot_dir, command, wall_s, *, chosen=None, cached_under=None
 ):
     """The README section; ``cached_under``: where the cells are cached (``None``: not cached, a smoke run)."""
-    chosen = chosen or [m for m in candidates if m == estimator.PACKAGE_DEFAULT] or [c for c in candidates if c != estimator.FAIRSCALE][:1]
+    chosen = (
+        chosen
+        or [m for m in candidates if m == estimator.PACKAGE_DEFAULT]
+        or [c for c in candidates if c != estimator.FAIRSCALE][:1]
+    )
     plot = tracking_plot(
         setups, results, [estimator.FAIRSCALE, *chosen], sorted(scales), seeds[0], plot_dir / "estimator_tracking.png"
     )

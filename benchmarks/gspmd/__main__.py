@@ -58,7 +58,9 @@ def main(argv=None) -> int:
                 row.update(model=label, layout=layout, k=k, gates=cost.gates(row))
                 rows.append(row)
                 failed = [g for g, ok in row["gates"].items() if not ok]
-                print(f"{label:18s} {layout:9s} k={k} {'ok' if not failed else 'FAILED ' + ', '.join(failed)}", flush=True)
+                print(
+                    f"{label:18s} {layout:9s} k={k} {'ok' if not failed else 'FAILED ' + ', '.join(failed)}", flush=True
+                )
     wall = time.perf_counter() - start
     out = args.out or HERE
     out.mkdir(parents=True, exist_ok=True)

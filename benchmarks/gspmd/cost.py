@@ -143,7 +143,9 @@ def measure(model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: i
             )
             # with out_shardings: the params and state come back as they went in
             p_sh, s_sh = _spec_tree(params), _spec_tree(compiled[v][2])
-            jitted = jax.jit(compiled[v][1], donate_argnums=(0, 1), out_shardings=(p_sh, s_sh, NamedSharding(mesh, P())))
+            jitted = jax.jit(
+                compiled[v][1], donate_argnums=(0, 1), out_shardings=(p_sh, s_sh, NamedSharding(mesh, P()))
+            )
             c2 = jitted.lower(params, compiled[v][2], *batch).compile()
             out[v]["memory_out_shardings"] = _memory(c2)
         out["allowance"] = model.hoisted_bytes(k)

@@ -79,7 +79,9 @@ def mlp(layout: str, *, d: int = 256, h: int = 1024, rows: int = 8192, xent: boo
     return Model("mlp_xent" if xent else "mlp_mse", layout, params, specs, (x, y), loss)
 
 
-def lm(layout: str, *, vocab: int = 256, d: int = 128, h: int = 512, layers: int = 4, seq: int = 64, rows: int = 64) -> Model:
+def lm(
+    layout: str, *, vocab: int = 256, d: int = 128, h: int = 512, layers: int = 4, seq: int = 64, rows: int = 64
+) -> Model:
     rng = np.random.default_rng(0)
     params = {
         "embed": (rng.standard_normal((vocab, d)) * 0.02).astype(np.float32),
@@ -107,7 +109,9 @@ def lm(layout: str, *, vocab: int = 256, d: int = 128, h: int = 512, layers: int
             return x + jnp.einsum("bth,hd->btd", hidden, w_out, out_sharding=P("data", None, None)), None
 
         x, _ = jax.lax.scan(jax.checkpoint(block), x, (p["w_in"], p["w_out"], p["scale"]))
-        logits = jnp.einsum("btd,vd->btv", x, jax.reshard(p["embed"], P(None, None)), out_sharding=P("data", None, None))
+        logits = jnp.einsum(
+            "btd,vd->btv", x, jax.reshard(p["embed"], P(None, None)), out_sharding=P("data", None, None)
+        )
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     return Model("lm", layout, params, specs, (tokens,), loss, tied=("embed",))

@@ -556,7 +556,7 @@ def estimator_section(tasks, results, scales, seeds, variants):
         "### A gain that keeps up: estimator options",
         "",
         "AS is the package default (`Estimator()`: moving averages whose memory is max(0.05·τ, 4 updates) "
-        "base-batch steps, each step's μ̂² averaged unfloored). `AS-fairscale` is `estimator=\"fairscale\"`, "
+        'base-batch steps, each step\'s μ̂² averaged unfloored). `AS-fairscale` is `estimator="fairscale"`, '
         "the 0.1–0.2 default (FairScale's θ = 1 − S/1000 per update, each step's μ̂² floored at 0). `AS-H(h)` is "
         "`estimator=Estimator(horizon=h)`: a memory of h base-batch steps of τ (θ_t = exp(−r_{t−1}/h)); "
         "`AS-H(h_σ,h_μ)` gives σ̄² and μ̄² their own; `T/k` is the task's budget over k (MNIST-1D 3072, digits "

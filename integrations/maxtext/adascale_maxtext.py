@@ -91,7 +91,9 @@ def value_and_grad(diff_wrapper, config):
     def fn(curr_params, custom_params, rest, config_, data):
         del config_
         total = jnp.sum(data["targets_segmentation"] != 0).astype(jnp.float32)
-        grad_fn = optax_adascale.value_and_grad(loss, data_axes=data_axes(config, data["inputs"]), num_microbatches=k, has_aux=True)
+        grad_fn = optax_adascale.value_and_grad(
+            loss, data_axes=data_axes(config, data["inputs"]), num_microbatches=k, has_aux=True
+        )
         (value, (aux, non_param_rest)), grads, stats = grad_fn((curr_params, custom_params), rest, data, total)
         if k > 1:
             aux = dict(aux, xent_sum=aux["xent_sum"] * k)  # floating aux is averaged: MaxText logs the sum
@@ -128,7 +130,7 @@ def _record(diff_wrapper, config, k, params, rest, data, total, grads):
         ref = own(params, data)
     else:
         rows = data["inputs"].shape[0] // k
-        parts = [own(params, jax.tree.map(lambda x: x[j * rows : (j + 1) * rows], data)) for j in range(k)]
+        parts = [own(params, jax.tree.map(lambda x, j=j: x[j * rows : (j + 1) * rows], data)) for j in range(k)]
         ref = jax.tree.map(lambda *g: sum(g) / total, *parts)
     diff = optax_adascale_norm(jax.tree.map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32), grads, ref))
     jax.debug.callback(

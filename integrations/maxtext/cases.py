@@ -67,7 +67,9 @@ def run_case(name: str, steps: int, runs: Path) -> dict:
     stem = "".join(c if c.isalnum() else "_" for c in name)
     check = trial("adascale", 3, runs / f"{stem}_check.json", [*overrides, "dtype=float32"], flags, ["--check"])
     ada = trial("adascale", steps, runs / f"{stem}_adascale.json", overrides, flags)
-    ref = trial("maxtext", steps, runs / f"{stem}_maxtext.json", overrides, flags, ["--eval-at", str(ada["iterations"])])
+    ref = trial(
+        "maxtext", steps, runs / f"{stem}_maxtext.json", overrides, flags, ["--eval-at", str(ada["iterations"])]
+    )
     # AdaScale's promise: the quality of the base batch (one sample's rows: the global batch / n) after T steps
     # (shard_mode=auto: MaxText's fractional per-device batch slices the loaded rows, which Explicit types refuse;
     # the model and its initialisation are the same)

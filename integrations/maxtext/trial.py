@@ -106,7 +106,9 @@ def main() -> int:
         config, recorder
     )
     graphdef, state = nnx.split(state)
-    params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
+    params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(
+        config, state_mesh_shardings
+    )
     p_train_step, _ = train_utils.jit_train_and_eval_step(
         config, graphdef, mesh, state, state_mesh_shardings, train.train_step, train.eval_step, None, params_shardings
     )

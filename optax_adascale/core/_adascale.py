@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_adascale.core import _accumulate, _checks, _collect, _groups, _norms, _options, _samples, _step
-from optax_adascale.sharding import _reduce
 from optax_adascale.core._microbatch import MicrobatchStats
+from optax_adascale.sharding import _reduce
 
 Array = jax.Array
 

@@ -19,6 +19,7 @@ from jax import lax
 from optax_adascale import _compat
 from optax_adascale.core import _groups
 from optax_adascale.core._norms import STAT_DTYPE, leaf_sq_norm, low_precision
+from optax_adascale.sharding._tensor import ModelAxes
 
 Array = jax.Array
 AxisName = str | tuple[str, ...]
@@ -211,66 +212,6 @@ def _spec_axes(spec: Any) -> frozenset[str]:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, jax.sharding.PartitionSpec) or x is None
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelAxes:
-    """Which model axes each leaf is split over; ``axes`` is their union (in mesh order).
-
-    A leaf split over model axes ``A`` has partial squared norms on each
-    device; summing over ``A`` gives the replica's. A leaf replicated over a
-    model axis holds the whole value on every shard of it: its contribution is
-    kept on shard 0 of that axis only, so that one ``psum`` over all model axes
-    counts every leaf once.
-    """
-
-    axes: tuple[str, ...] = ()
-    leaf_axes: tuple[frozenset[str], ...] = ()
-
-    def mask(self, values: Sequence[Array]) -> list[Array]:
-        """Per-leaf scalars, each zeroed off shard 0 of the model axes its leaf is replicated over."""
-        if not self.axes:
-            return list(values)
-        out = []
-        for value, split in zip(values, self.leaf_axes, strict=True):
-            for name in self.axes:
-                if name not in split:
-                    value = jnp.where(lax.axis_index(name) == 0, value, jnp.zeros_like(value))
-            out.append(value)
-        return out
-
-    def psum(self, x: Any) -> Any:
-        """The one scalar-sized collective over the model axes (a no-op without them)."""
-        if not self.axes:
-            return x
-        return lax.psum(x, self.axes)
-
-
-def sq_norm_fn(treedef: Any, model: ModelAxes, data_axes: AxisName | None = None):
-    """The ``adascale_sq_norm`` extra argument handed to ``inner``: the whole ``‖x‖²`` of a tree of shards.
-
-    ``x`` is shaped like the gradients (``treedef``; a leaf may be a subtree
-    such as optax's ``MaskedNode``, counted as its leaves). Each leaf's local
-    ``Σ|x|²`` is masked as :meth:`ModelAxes.mask` does (a leaf replicated over a
-    model axis counts once) and summed over the model axes and ``data_axes``
-    (ZeRO's rows) in one scalar ``psum``.
-    """
-    names = axis_names(data_axes) + model.axes
-    zero = lambda: jnp.zeros([], STAT_DTYPE)  # noqa: E731
-
-    def sq_norm(tree: Any) -> Array:
-        try:
-            parts = treedef.flatten_up_to(tree)
-        except (ValueError, TypeError) as err:
-            raise ValueError(
-                "adascale_sq_norm (the global squared norm AdaScale hands to inner) needs a tree shaped like "
-                f"the gradients {treedef}, got {jax.tree.structure(tree)}"
-            ) from err
-        values = [sum((leaf_sq_norm(x) for x in jax.tree.leaves(part)), zero()) for part in parts]
-        local = sum(model.mask(values), zero())
-        return lax.psum(local, names) if names else local
-
-    return sq_norm
 
 
 def model_axes(grads: Any, params: Any, axis_name: AxisName | None, param_specs: Any = None) -> ModelAxes:

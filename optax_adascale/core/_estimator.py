@@ -83,8 +83,9 @@ class Estimator:
 
     Examples:
       >>> import optax_adascale
-      >>> optax_adascale.Estimator()  # the default
-      Estimator(memory_fraction=0.05, horizon=None, smoothing=None, unbiased_sqr=True, eps=1e-06, fairscale=False, min_updates=4.0)
+      >>> e = optax_adascale.Estimator()  # the default
+      >>> e.memory_fraction, e.min_updates, e.unbiased_sqr, e.fairscale
+      (0.05, 4.0, True, False)
       >>> tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, estimator=optax_adascale.Estimator(horizon=40.0))
       >>> tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, estimator="fairscale")
     """

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_adascale.tools import _noise
-from optax_adascale.sharding import _zero
 from optax_adascale.core._adascale import AdaScaleState
+from optax_adascale.sharding import _zero
+from optax_adascale.tools import _noise
 
 _PER_REPLICA_FIELDS = ("acc_grads", "acc_sq_norm")
 

@@ -9,7 +9,6 @@ import jax
 from optax_adascale import _compat
 
 
-
 def data_axis_names(data_axes: Any) -> tuple[str, ...]:
     """``data_axes`` as a tuple of axis names; a ``TypeError`` for anything else."""
     names = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)

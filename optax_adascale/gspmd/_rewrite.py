@@ -400,7 +400,7 @@ class Interpreter:
             if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a key closed over: rebuilt from its data
                 with jax.ensure_compile_time_eval():
                     data = np.asarray(jax.random.key_data(x))
-                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+                return jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(x))
             return np.asarray(x)  # also JAX's typed literals (TypedNdArray), which carry the trace's mesh
         return x
 
@@ -805,8 +805,6 @@ def _unstack(layout: Layout, st: Any, like: Any) -> Any:
     return jax.shard_map(
         lambda b: b[0], mesh=layout.mesh, in_specs=spec_in, out_specs=P(*parts, unreduced=data), check_vma=False
     )(st)
-
-
 
 
 def _reduce(x: Any, data: frozenset[str]) -> Any:

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_adascale.core import _collect, _norms
-from optax_adascale.sharding import _zero
 from optax_adascale.core._microbatch import MicrobatchStats
+from optax_adascale.sharding import _zero
 
 
 def fsdp_shard(params: Any, num_replicas: int) -> Any:

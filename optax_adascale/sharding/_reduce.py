@@ -23,7 +23,7 @@ import optax
 from jax import lax
 
 from optax_adascale.core import _collect, _norms, _step
-from optax_adascale.sharding import _zero
+from optax_adascale.sharding import _tensor, _zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +61,8 @@ class AllReduce:
         del scattered
         model = shape.axes.model
         if model.axes:  # inner sees each device's piece of a split leaf: it must be shard-safe
-            _zero.check_model_split(update.inner, local_grads, model)
-            extra_args = dict(extra_args, adascale_sq_norm=_collect.sq_norm_fn(jax.tree.structure(local_grads), model))
+            _tensor.check_model_split(update.inner, local_grads, model)
+            extra_args = dict(extra_args, adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(local_grads), model))
         with jax.named_scope("adascale/reduce"):
             mean, a, b = _collect.reduce_statistics(local_grads, local_sq, shape.axes, shape.groups, weights, mean_sq)
         return _step.apply(update, shape, mean, a, b, state, params, extra_args)
@@ -161,7 +161,7 @@ class ZeroRows:
                 lambda x: jnp.reshape(x, x.shape[len(lead) :]) if jnp.ndim(x) else x, state.inner_state.rows
             )
         )
-        extra = dict(extra_args, adascale_sq_norm=_collect.sq_norm_fn(jax.tree.structure(mean), model, axis))
+        extra = dict(extra_args, adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(mean), model, axis))
         row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra)
         new_rows = jax.tree.map(
             lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,

@@ -21,17 +21,15 @@ checked at ``init`` by running ``inner`` on a stand-in of the parameters, whole 
 in ``n`` rows, or declared with :func:`elementwise`.
 """
 
-import contextlib
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optax_adascale import _compat
-from optax_adascale.core import _collect, _norms
+from optax_adascale.core import _norms
+from optax_adascale.sharding import _stand_in, _tensor
 
 Array = jax.Array
 
@@ -83,54 +81,9 @@ def init_inner(inner: optax.GradientTransformationExtraArgs, params: Any, n: int
     return ShardedInnerState(state)
 
 
-class _Elementwise(optax.GradientTransformationExtraArgs):
-    """An ``inner`` the user declared elementwise (or shard-aware): :func:`elementwise`."""
-
-
-def elementwise(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """Declare that ``inner`` computes on a shard of the parameters what it computes on the whole.
-
-    AdaScale runs ``inner`` on shards where the parameters are split: each
-    replica's ``1/n`` row with ``shard_optimizer_state=n`` (ZeRO), and the
-    model-axis pieces of tensor-parallel parameters. It checks that ``inner``
-    is elementwise by running it on a stand-in of the parameters, whole and in
-    shards, at gradient magnitudes from ``1e-3`` to ``1e12``. An ``inner`` that
-    cannot run on the stand-in (it needs extra arguments, such as
-    ``optax.scale_by_polyak``'s ``value``, or particular values) cannot be
-    judged and is refused; declare it with this function if it is elementwise
-    (``u_i`` depends on ``g_i``, ``p_i`` and its own state only) or shard-aware
-    (it reduces across leaves only through the ``adascale_sq_norm`` extra
-    argument, as :func:`clip_by_global_norm` does). A wrong declaration gives
-    wrong updates: nothing is checked.
-
-    Args:
-      inner: the transformation to declare.
-
-    Returns:
-      The same transformation (an ``optax.GradientTransformationExtraArgs``),
-      marked as elementwise.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, optax_adascale
-      >>> inner = optax_adascale.elementwise(optax.trace(0.9))
-      >>> tx = optax_adascale.adascale(inner, 0.1, axis_name="data", shard_optimizer_state=2)
-      >>> tx.init(jnp.zeros(3)).inner_state.rows.trace.shape  # two rows of two
-      (2, 2)
-    """
-    inner = optax.with_extra_args_support(inner)
-    return _Elementwise(inner.init, inner.update)
-
-
-def is_declared_elementwise(inner: Any) -> bool:
-    return isinstance(inner, _Elementwise)
-
-
 # Stand-ins with the parameters' real shapes up to this many elements (masks computed from sizes are seen);
 # beyond it, two elements per dimension.
 _REAL_SHAPES_LIMIT = 1 << 22
-# Gradient magnitudes of the check: moderate ones show masks and decay; large ones reach any realistic clip
-# threshold (the stand-in's norm is at least 1e12 at the last; its squares stay far from float32's range).
-_GRAD_SCALES = (1e-3, 1.0, 1e3, 1e6, 1e9, 1e12)
 
 
 def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any, n: int = 2) -> None:
@@ -143,131 +96,49 @@ def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any,
     from ``1e-3`` to ``1e12``. An ``inner`` that cannot run on the stand-in is
     refused unless declared with :func:`elementwise`.
     """
-    if is_declared_elementwise(inner):
+    if _stand_in.is_declared_elementwise(inner):
         return
     leaves, treedef = jax.tree.flatten(params)
     real = sum(math.prod(jnp.shape(p)) for p in leaves) <= _REAL_SHAPES_LIMIT
     shapes = [tuple(jnp.shape(p)) if real else (2,) * jnp.ndim(p) for p in leaves]
-    dtypes = [jnp.promote_types(jnp.result_type(p), jnp.float32) for p in leaves]
-    pattern = lambda s, d, k: (1.0 + (jnp.arange(math.prod(s)) % k) / k).astype(d).reshape(s)  # noqa: E731
-    try:
-        with jax.ensure_compile_time_eval():
-            full_p = treedef.unflatten([0.5 * pattern(s, d, 5) for s, d in zip(shapes, dtypes)])
-            base_g = treedef.unflatten([pattern(s, d, 7) for s, d in zip(shapes, dtypes)])
-            whole_state = inner.init(full_p)
-            rows_p = jax.tree.map(lambda x: to_rows(x, n), full_p)
-            rows_state = inner.init(rows_p)
 
-            def one_row(g, s, p):
-                sq_norm = _collect.sq_norm_fn(jax.tree.structure(g), _collect.ModelAxes(), "zero_probe")
-                u, _ = inner.update(g, s, p, adascale_sq_norm=sq_norm)
-                return u
+    def pieces(full_p: Any, full_g_of):
+        rows_p = jax.tree.map(lambda x: to_rows(x, n), full_p)
+        rows_state = inner.init(rows_p)
 
-            axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, rows_state)
-            rows_update = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")
-            results = []
-            for scale in _GRAD_SCALES:
-                full_g = jax.tree.map(lambda g, c=scale: g * jnp.asarray(c, g.dtype), base_g)
-                whole, _ = inner.update(full_g, whole_state, full_p)
-                shards = rows_update(jax.tree.map(lambda x: to_rows(x, n), full_g), rows_state, rows_p)
-                results.append(
-                    (
-                        [np.asarray(jnp.ravel(to_rows(u, n))) for u in jax.tree.leaves(whole)],
-                        [np.asarray(jnp.ravel(u)) for u in jax.tree.leaves(shards)],
-                    )
-                )
-    except Exception as err:  # noqa: BLE001 - an inner we cannot run cannot be judged: refuse it
-        raise ValueError(
+        def one_row(g, s, p):
+            sq_norm = _tensor.sq_norm_fn(jax.tree.structure(g), _tensor.ModelAxes(), "zero_probe")
+            return inner.update(g, s, p, adascale_sq_norm=sq_norm)[0]
+
+        axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, rows_state)
+        rows_update = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")
+
+        def run(full_g):
+            whole = [jnp.ravel(to_rows(u, n)) for u in full_g_of(full_g)]
+            shards = rows_update(jax.tree.map(lambda x: to_rows(x, n), full_g), rows_state, rows_p)
+            return whole, [jnp.ravel(u) for u in jax.tree.leaves(shards)]
+
+        return run
+
+    _stand_in.compare(
+        inner,
+        treedef,
+        shapes,
+        [jnp.result_type(p) for p in leaves],
+        pieces,
+        cannot_run=(
             f"shard_optimizer_state={n}: AdaScale could not run inner on a stand-in of the parameters to check "
-            f"that it computes on a 1/n row what it computes on the whole ({type(err).__name__}: {err}). If "
-            "inner is elementwise (each entry of the update depends on the same entry of the gradient, the "
-            "parameters and its own state only) or shard-aware, declare it: optax_adascale.elementwise(inner)."
-        ) from err
-    for expected, got in results:
-        for e, g in zip(expected, got, strict=True):
-            if not np.allclose(e, g, rtol=1e-4, atol=1e-6 * max(1.0, float(np.max(np.abs(e), initial=0.0)))):
-                raise ValueError(
-                    "shard_optimizer_state: inner computes something different on a 1/n shard of the parameters "
-                    "than on the whole, so the sharded update would be wrong. inner must be elementwise "
-                    "(optax.trace, optax.scale_by_adam, optax.add_decayed_weights). Norm-based transformations "
-                    "need the global norm: use optax_adascale.clip_by_global_norm instead of "
-                    "optax.clip_by_global_norm; masks and labels must be given as trees, not computed from "
-                    "shapes or sizes (each shard is a flattened row)."
-                )
-
-
-@contextlib.contextmanager
-def _off_mesh():
-    """Leave the caller's shard_map (its mesh and varying-type checks): the probes' vmap axes are no mesh axes."""
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), _compat.vma_checks_off():
-        yield
-
-
-def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any, model: _collect.ModelAxes) -> None:
-    """Raise unless ``inner`` computes on model-axis pieces of the split leaves what it computes on the whole.
-
-    Tensor parallelism hands ``inner`` each device's piece of a split leaf.
-    On a stand-in (two elements per dimension, split leaves cut in two along
-    their first dimension, a vmap axis standing for the model axes), ``inner``
-    runs whole and in pieces, with the ``adascale_sq_norm`` AdaScale gives it,
-    at gradient magnitudes from ``1e-3`` to ``1e12``. ``optax.clip_by_global_norm``
-    (each piece clipped by its own norm) fails this; :func:`clip_by_global_norm`
-    passes. An ``inner`` that cannot run on the stand-in is refused unless
-    declared with :func:`elementwise`.
-    """
-    if is_declared_elementwise(inner):
-        return
-    leaves, treedef = jax.tree.flatten(grads)
-    split = [bool(axes) and jnp.ndim(g) >= 1 for g, axes in zip(leaves, model.leaf_axes, strict=True)]
-    if not any(split):
-        return
-    probe = _collect.ModelAxes(("tp_probe",), tuple(frozenset({"tp_probe"}) if s else frozenset() for s in split))
-    shapes = [(2,) * jnp.ndim(g) for g in leaves]
-    dtypes = [jnp.promote_types(jnp.result_type(g), jnp.float32) for g in leaves]
-    pattern = lambda s, d, k: (1.0 + (jnp.arange(math.prod(s)) % k) / k).astype(d).reshape(s)  # noqa: E731
-    cut = lambda x, s: jnp.reshape(x, (2, 1, *x.shape[1:])) if s else x  # noqa: E731
-    in_axes = treedef.unflatten([0 if s else None for s in split])
-
-    def pieces(g, p):
-        u, _ = inner.update(g, inner.init(p), p, adascale_sq_norm=_collect.sq_norm_fn(treedef, probe))
-        return u
-
-    try:
-        with jax.ensure_compile_time_eval(), _off_mesh():
-            full_p = treedef.unflatten([0.5 * pattern(s, d, 5) for s, d in zip(shapes, dtypes)])
-            base_g = treedef.unflatten([pattern(s, d, 7) for s, d in zip(shapes, dtypes)])
-            cut_p = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_p), split)])
-            state = inner.init(full_p)
-            results = []
-            for scale in _GRAD_SCALES:
-                full_g = jax.tree.map(lambda g, c=scale: g * jnp.asarray(c, g.dtype), base_g)
-                whole, _ = inner.update(full_g, state, full_p)
-                cut_g = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_g), split)])
-                got = jax.vmap(pieces, in_axes=(in_axes, in_axes), axis_name="tp_probe")(cut_g, cut_p)
-                results.append(
-                    ([np.asarray(u) for u in jax.tree.leaves(whole)], [np.asarray(u) for u in jax.tree.leaves(got)])
-                )
-    except Exception as err:  # noqa: BLE001 - an inner we cannot run cannot be judged: refuse it
-        raise ValueError(
-            f"parameters split over the model axes {list(model.axes)}: AdaScale could not run inner on a "
-            "stand-in of the parameters to check that it computes on a model shard what it computes on the "
-            f"whole ({type(err).__name__}: {err}). If inner is elementwise (each entry of the update depends "
-            "on the same entry of the gradient, the parameters and its own state only) or shard-aware, "
-            "declare it: optax_adascale.elementwise(inner)."
-        ) from err
-    for expected, got in results:
-        for e, g, s in zip(expected, got, split, strict=True):
-            g = np.reshape(g, e.shape) if s else g  # split: the pieces in order; replicated: a copy per piece
-            if not np.allclose(
-                np.broadcast_to(e, g.shape), g, rtol=1e-4, atol=1e-6 * max(1.0, float(np.max(np.abs(e), initial=0.0)))
-            ):
-                raise ValueError(
-                    f"parameters split over the model axes {list(model.axes)}: inner computes something "
-                    "different on a model shard of a parameter than on the whole, so the update would be wrong. "
-                    "inner must be elementwise (optax.trace, optax.scale_by_adam, optax.add_decayed_weights) "
-                    "or shard-aware: use optax_adascale.clip_by_global_norm instead of "
-                    "optax.clip_by_global_norm (it clips by the norm summed over the shards)."
-                )
+            "that it computes on a 1/n row what it computes on the whole"
+        ),
+        differs=(
+            "shard_optimizer_state: inner computes something different on a 1/n shard of the parameters "
+            "than on the whole, so the sharded update would be wrong. inner must be elementwise "
+            "(optax.trace, optax.scale_by_adam, optax.add_decayed_weights). Norm-based transformations "
+            "need the global norm: use optax_adascale.clip_by_global_norm instead of "
+            "optax.clip_by_global_norm; masks and labels must be given as trees, not computed from "
+            "shapes or sizes (each shard is a flattened row)."
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- layout

@@ -10,18 +10,18 @@ from benchmarks.gspmd import cost, models
 
 pytestmark = pytest.mark.slow
 
-CASES = [
-    (name, layout, k)
-    for name in ("mlp_xent", "lm")
-    for layout in ("replicated", "TP×FSDP")
-    for k in (1, 2)
-] + [("mlp_mse", "FSDP", 1), ("lm", "FSDP", 2)]
+CASES = [(name, layout, k) for name in ("mlp_xent", "lm") for layout in ("replicated", "TP×FSDP") for k in (1, 2)] + [
+    ("mlp_mse", "FSDP", 1),
+    ("lm", "FSDP", 2),
+]
 
 
 @pytest.mark.parametrize(("name", "layout", "k"), CASES)
 def test_the_drop_in_costs_what_the_users_own_step_does(name, layout, k):
     # sizes where 4 KiB is ≤ 1 % of a device's memory, so the memory gate is the 1.05×
-    sizes = {"d": 64, "h": 128, "layers": 2, "seq": 32, "rows": 32} if name == "lm" else {"d": 64, "h": 256, "rows": 1024}
+    sizes = (
+        {"d": 64, "h": 128, "layers": 2, "seq": 32, "rows": 32} if name == "lm" else {"d": 64, "h": 256, "rows": 1024}
+    )
     row = cost.measure(models.build(name, layout, **sizes), k, mesh=jax.make_mesh((4, 2), ("data", "model")), rounds=1)
     gates = cost.gates(row)
     gates.pop("compile")

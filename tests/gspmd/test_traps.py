@@ -8,7 +8,6 @@ said nothing, ``optax.MultiSteps`` around AdaScale reported one call's scale, an
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
