@@ -10,8 +10,8 @@ from optax_adascale import experimental
 from optax_adascale.core._adascale import AdaScaleState, adascale
 from optax_adascale.core._alias import adascale_adamw, adascale_sgd
 from optax_adascale.core._estimator import Estimator
-from optax_adascale.core._microbatch import MicrobatchStats
 from optax_adascale.core._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
+from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.core._state import (
     done,
     get_adascale_state,

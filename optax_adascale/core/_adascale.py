@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_adascale.core import _accumulate, _checks, _collect, _groups, _norms, _options, _samples, _step
-from optax_adascale.core._microbatch import MicrobatchStats
+from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.sharding import _reduce
 
 Array = jax.Array
@@ -137,30 +137,19 @@ def _update(
     _checks.check_grads(grads, params)
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
     axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
-    scattered = _samples.fsdp_statistics(microbatch_stats, collection.accumulation_steps)
-    reduction.check(axes, state, params, scattered)
-    weights = _samples.preconditioner(collection.precondition, state.inner_state, grads, microbatch_stats)
-    sq_leaves, k_micro = _samples.local_sq_norms(grads, microbatch_stats, weights)
-    local_sq = groups.sums(axes.model.mask(sq_leaves))
-    mean_sq = _samples.given_mean_sq_norms(grads, microbatch_stats) if collection.accumulation_steps == 1 else None
+    samples = _samples.Samples.of(
+        grads, microbatch_stats, collection.accumulation_steps, collection.precondition, state.inner_state
+    )
+    strategy = reduction.for_samples(samples)
+    strategy.check(axes, state, params)
+    local_sq = groups.sums(axes.model.mask(samples.sq_leaves))
 
-    n = axes.replicas * collection.accumulation_steps * k_micro
+    n = axes.replicas * collection.accumulation_steps * samples.count
     S = _scale(collection, n, axes.replicas)
     shape = _step.Shape(groups=groups, axes=axes, n=n, S=S)
 
     def step(local_grads, local_sq, state):
-        return reduction.step(
-            update,
-            shape,
-            local_grads,
-            local_sq,
-            state,
-            params,
-            extra_args,
-            weights=weights,
-            scattered=scattered,
-            mean_sq=mean_sq,
-        )
+        return strategy.step(update, shape, local_grads, local_sq, state, params, extra_args, samples)
 
     if collection.accumulation_steps == 1:
         return step(grads, local_sq, state)

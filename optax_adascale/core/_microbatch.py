@@ -1,6 +1,5 @@
 """Accumulation within one step: a replica's mean gradient and mean micro-batch squared norm via ``lax.scan``."""
 
-import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -11,36 +10,8 @@ from jax import lax
 
 from optax_adascale.core import _checks
 from optax_adascale.core._norms import STAT_DTYPE, compute_dtype, leaf_sq_norm
+from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.core._varying import match_varying
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MicrobatchStats:
-    """Second moment of a replica's micro-batch gradients, for ``update(..., microbatch_stats=)``.
-
-    The one way statistics computed outside the optimizer enter ``update``:
-    ``tx.update(grads, opt_state, params, microbatch_stats=stats)``. Made by
-    :func:`value_and_grad` (micro-batches within a replica, or a jit over the
-    global batch) and by differentiating :func:`fsdp_probes` (FSDP).
-
-    Attributes:
-      sq_norms: pytree shaped like the gradients; each leaf is the float32 mean
-        over the samples of that leaf's squared norm, ``mean_j ‖g_j‖²``.
-      num_microbatches: ``k``, static: the samples behind ``grads``. An update
-        sees ``n = k × replicas × accumulation_steps``.
-      fsdp: static; ``True`` for the gradients of :func:`fsdp_probes`: the
-        gradients passed with them are already reduce-scattered ZeRO rows.
-      mean_sq_norms: ``None``, or a pytree shaped like the gradients: each leaf's
-        ``‖ḡ‖²`` (float32) of the samples' true mean, taken where the samples were
-        (the GSPMD drop-in). ``update`` then reads ``b`` here instead of from the
-        gradients it is given, so clipping or scaling them first leaves the gain right.
-    """
-
-    sq_norms: Any
-    num_microbatches: int = dataclasses.field(default=1, metadata=dict(static=True))
-    fsdp: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    mean_sq_norms: Any = None
 
 
 def value_and_microbatch_grad(

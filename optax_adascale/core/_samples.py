@@ -1,37 +1,114 @@
-"""This call's gradient samples: where each replica's squared sample norms come from.
+"""This call's gradient samples, one object for every way they come in.
 
-From the gradients themselves (one sample per replica, optionally preconditioned), or from statistics computed
-outside the optimizer (``microbatch_stats``: micro-batches, the GSPMD drop-in, FSDP probes).
+A sample is one gradient whose spread AdaScale measures: a replica's gradient (``axis_name``), one of its ``k``
+micro-batches' (``value_and_grad(..., num_microbatches=k)``), a data shard's per-copy contribution (the GSPMD
+drop-in), an accumulated call (``accumulation_steps``), or an FSDP replica's probe. Outside statistics arrive as
+:class:`MicrobatchStats` (``update(..., microbatch_stats=)``, the one keyword); :meth:`Samples.of` turns the
+call's gradients and statistics into :class:`Samples`, which says how many samples this replica holds, their
+squared norms, whether ``‖ḡ‖²`` was already taken where they were (the drop-in), and whether the gradients are
+ZeRO rows already reduce-scattered (FSDP): the reduction strategy is chosen from that.
 """
 
+from __future__ import annotations
+
+import dataclasses
 from typing import Any
 
 import jax
 
 from optax_adascale.core import _norms
-from optax_adascale.core._microbatch import MicrobatchStats
 
 Array = jax.Array
 
 
-def fsdp_statistics(microbatch_stats: Any, accumulation_steps: int) -> bool:
-    """Whether the statistics are FSDP probes' (the gradients are already reduce-scattered rows)."""
-    if microbatch_stats is not None and not isinstance(microbatch_stats, MicrobatchStats):
-        raise TypeError(
-            "microbatch_stats must be a MicrobatchStats (from value_and_grad, or the gradient of fsdp_probes), "
-            f"got {type(microbatch_stats).__name__}"
-        )
-    if microbatch_stats is None or not microbatch_stats.fsdp:
-        return False
-    if accumulation_steps != 1 or microbatch_stats.num_microbatches != 1:
-        raise ValueError(
-            "FSDP statistics (fsdp_probes) work with one sample per replica per update: "
-            f"got accumulation_steps={accumulation_steps}; use more data-parallel replicas"
-        )
-    return True
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MicrobatchStats:
+    """Second moment of a replica's micro-batch gradients, for ``update(..., microbatch_stats=)``.
+
+    The one way statistics computed outside the optimizer enter ``update``:
+    ``tx.update(grads, opt_state, params, microbatch_stats=stats)``. Made by
+    :func:`value_and_grad` (micro-batches within a replica, or a jit over the
+    global batch) and by differentiating :func:`fsdp_probes` (FSDP).
+
+    Attributes:
+      sq_norms: pytree shaped like the gradients; each leaf is the float32 mean
+        over the samples of that leaf's squared norm, ``mean_j ‖g_j‖²``.
+      num_microbatches: ``k``, static: the samples behind ``grads``. An update
+        sees ``n = k × replicas × accumulation_steps``.
+      fsdp: static; ``True`` for the gradients of :func:`fsdp_probes`: the
+        gradients passed with them are already reduce-scattered ZeRO rows (the
+        update then takes the FSDP reduction, :class:`Samples` ``.rows``).
+      mean_sq_norms: ``None``, or a pytree shaped like the gradients: each leaf's
+        ``‖ḡ‖²`` (float32) of the samples' true mean, taken where the samples were
+        (the GSPMD drop-in). ``update`` then reads ``b`` here instead of from the
+        gradients it is given, so clipping or scaling them first leaves the gain right.
+    """
+
+    sq_norms: Any
+    num_microbatches: int = dataclasses.field(default=1, metadata=dict(static=True))
+    fsdp: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    mean_sq_norms: Any = None
 
 
-def preconditioner(precondition: Any, inner_state: Any, grads: Any, microbatch_stats: Any) -> list[Array] | None:
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """Where this call's gradient samples came from, and this replica's per-leaf statistics of them.
+
+    Attributes:
+      sq_leaves: per leaf, the mean over this replica's samples of ``‖g_j‖²`` (of ``P ⊙ g_j`` with a
+        preconditioner), float32.
+      count: this replica's samples: ``k`` micro-batches, or 1 (its own gradient).
+      mean_sq: per leaf ``‖ḡ‖²`` of the samples' true mean, taken where they were (the GSPMD drop-in), or
+        ``None``: then the reduction computes it from the gradients.
+      rows: the gradients are ZeRO rows already reduce-scattered (FSDP probes).
+      weights: the preconditioner's per-leaf multipliers, or ``None``.
+    """
+
+    sq_leaves: list[Array]
+    count: int = 1
+    mean_sq: list[Array] | None = None
+    rows: bool = False
+    weights: list[Array] | None = None
+
+    @classmethod
+    def of(
+        cls, grads: Any, microbatch_stats: Any, accumulation_steps: int, precondition: Any, inner_state: Any
+    ) -> Samples:
+        """The samples of one ``update``: from ``microbatch_stats`` if given, else the gradients themselves."""
+        if microbatch_stats is not None and not isinstance(microbatch_stats, MicrobatchStats):
+            raise TypeError(
+                "microbatch_stats must be a MicrobatchStats (from value_and_grad, or the gradient of fsdp_probes), "
+                f"got {type(microbatch_stats).__name__}"
+            )
+        weights = _preconditioner(precondition, inner_state, grads, microbatch_stats)
+        treedef = jax.tree.structure(grads)
+        if microbatch_stats is None:
+            leaves = jax.tree.leaves(grads)
+            if weights is not None:
+                leaves = [g * w for g, w in zip(leaves, weights, strict=True)]
+            return cls([_norms.leaf_sq_norm(g) for g in leaves], weights=weights)
+        rows = microbatch_stats.fsdp
+        if rows and (accumulation_steps != 1 or microbatch_stats.num_microbatches != 1):
+            raise ValueError(
+                "FSDP statistics (fsdp_probes) work with one sample per replica per update: "
+                f"got accumulation_steps={accumulation_steps}; use more data-parallel replicas"
+            )
+        sq = _leaves(treedef, microbatch_stats.sq_norms, "sq_norms")
+        mean_sq = None
+        if microbatch_stats.mean_sq_norms is not None and accumulation_steps == 1:
+            mean_sq = _leaves(treedef, microbatch_stats.mean_sq_norms, "mean_sq_norms")
+        return cls(sq, microbatch_stats.num_microbatches, mean_sq, rows, weights)
+
+
+def _leaves(treedef: Any, tree: Any, name: str) -> list[Array]:
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"microbatch_stats.{name} must have the structure of the gradients") from err
+
+
+def _preconditioner(precondition: Any, inner_state: Any, grads: Any, microbatch_stats: Any) -> list[Array] | None:
     """The per-leaf multipliers ``P`` of the statistics (``precondition(inner_state)``), or ``None``."""
     if precondition is None:
         return None
@@ -47,33 +124,3 @@ def preconditioner(precondition: Any, inner_state: Any, grads: Any, microbatch_s
         return jax.tree.structure(grads).flatten_up_to(weights)
     except (ValueError, TypeError) as err:
         raise ValueError("precondition must return multipliers shaped like the params") from err
-
-
-def local_sq_norms(
-    grads: Any, microbatch_stats: MicrobatchStats | None, weights: list[Array] | None = None
-) -> tuple[list[Array], int]:
-    """This replica's per-leaf mean squared sample norm (of ``P ⊙ g`` with weights), and its number of samples.
-
-    ``microbatch_stats`` has been type-checked by :func:`fsdp_statistics`.
-    """
-    treedef = jax.tree.structure(grads)
-    if microbatch_stats is None:
-        leaves = jax.tree.leaves(grads)
-        if weights is not None:
-            leaves = [g * w for g, w in zip(leaves, weights, strict=True)]
-        return [_norms.leaf_sq_norm(g) for g in leaves], 1
-    try:
-        leaves = treedef.flatten_up_to(microbatch_stats.sq_norms)
-    except (ValueError, TypeError) as err:
-        raise ValueError("microbatch_stats.sq_norms must have the structure of the gradients") from err
-    return leaves, microbatch_stats.num_microbatches
-
-
-def given_mean_sq_norms(grads: Any, microbatch_stats: MicrobatchStats | None) -> list[Array] | None:
-    """``‖ḡ‖²`` per leaf where the samples were taken (the GSPMD drop-in's ``mean_sq_norms``), or ``None``."""
-    if microbatch_stats is None or microbatch_stats.mean_sq_norms is None:
-        return None
-    try:
-        return jax.tree.structure(grads).flatten_up_to(microbatch_stats.mean_sq_norms)
-    except (ValueError, TypeError) as err:
-        raise ValueError("microbatch_stats.mean_sq_norms must have the structure of the gradients") from err

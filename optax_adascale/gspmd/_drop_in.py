@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale.core import _checks, _microbatch
-from optax_adascale.core._microbatch import MicrobatchStats
+from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.gspmd import _layout, _mesh, _rewrite
 from optax_adascale.gspmd._layout import Layout
 

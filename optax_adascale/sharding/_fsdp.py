@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_adascale.core import _collect, _norms
-from optax_adascale.core._microbatch import MicrobatchStats
+from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.sharding import _zero
 
 

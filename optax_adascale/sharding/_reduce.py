@@ -5,14 +5,18 @@
   own, or arrive already reduced from the GSPMD drop-in), then :func:`_step.apply`.
 * :class:`ZeroRows` — ``shard_optimizer_state=n`` (ZeRO, FairScale's
   ``AdaScale(OSS)``): reduce-scatter, the statistics in one scalar ``psum``,
-  :func:`_step.apply` on this replica's row, all-gather; FSDP statistics skip both
-  collectives.
+  :func:`_step.apply` on this replica's row, all-gather.
+* :class:`FsdpRows` — the same rows when the samples say the gradients already are
+  rows (FSDP probes, ``Samples.rows``): no reduce-scatter, no all-gather.
 
-Both answer ``init_inner`` (the inner state's layout), ``check`` (what the call's
-axes and state must be) and ``step``. With parameters split over model axes, the
+Each answers ``init_inner`` (the inner state's layout), ``for_samples`` (the strategy
+this call's samples take), ``check`` (what the call's axes and state must be) and
+``step``. With parameters split over model axes, the
 ``inner`` transformation sees shards and gets ``adascale_sq_norm``, the squared
 norm summed over them.
 """
+
+from __future__ import annotations
 
 import dataclasses
 from typing import Any
@@ -22,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale.core import _collect, _norms, _step
+from optax_adascale.core import _collect, _norms, _samples, _step
 from optax_adascale.sharding import _tensor, _zero
 
 
@@ -37,12 +41,16 @@ class AllReduce:
     def init_inner(self, inner: optax.GradientTransformationExtraArgs, params: Any) -> Any:
         return inner.init(params)
 
-    def check(self, axes: _collect.Axes, state: Any, params: Any, scattered: bool) -> None:
-        if scattered:
+    def for_samples(self, samples: _samples.Samples) -> AllReduce:
+        if samples.rows:
             raise ValueError(
                 "microbatch_stats come from fsdp_probes (the gradients are already reduce-scattered rows), "
                 "which needs the ZeRO layout: adascale(..., shard_optimizer_state=n)."
             )
+        return self
+
+    def check(self, axes: _collect.Axes, state: Any, params: Any) -> None:
+        del axes, state, params
 
     def step(
         self,
@@ -53,18 +61,16 @@ class AllReduce:
         state,
         params,
         extra_args,
-        *,
-        weights=None,
-        scattered: bool = False,
-        mean_sq=None,
+        samples: _samples.Samples,
     ):
-        del scattered
         model = shape.axes.model
         if model.axes:  # inner sees each device's piece of a split leaf: it must be shard-safe
             _tensor.check_model_split(update.inner, local_grads, model)
             extra_args = dict(extra_args, adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(local_grads), model))
         with jax.named_scope("adascale/reduce"):
-            mean, a, b = _collect.reduce_statistics(local_grads, local_sq, shape.axes, shape.groups, weights, mean_sq)
+            mean, a, b = _collect.reduce_statistics(
+                local_grads, local_sq, shape.axes, shape.groups, samples.weights, samples.mean_sq
+            )
         return _step.apply(update, shape, mean, a, b, state, params, extra_args)
 
 
@@ -74,33 +80,18 @@ class AllReduce:
 @dataclasses.dataclass(frozen=True)
 class ZeroRows:
     """The sharded update (``shard_optimizer_state=n``): reduce-scatter, statistics in one scalar psum,
-    :func:`_step.apply` on this replica's row, all-gather.
-
-    With FSDP statistics (``scattered``: :func:`optax_adascale.fsdp_gather`'s probes) the
-    gradients and ``params`` are already this replica's rows, the gradients summed over
-    the replicas by the gather's backward pass: no reduce-scatter, no all-gather.
-    """
+    :func:`_step.apply` on this replica's row, all-gather."""
 
     num_replicas: int
 
     def init_inner(self, inner: optax.GradientTransformationExtraArgs, params: Any) -> _zero.ShardedInnerState:
         return _zero.init_inner(inner, params, self.num_replicas)
 
-    def check(self, axes: _collect.Axes, state: Any, params: Any, scattered: bool) -> None:
-        if axes.replicas != self.num_replicas:
-            raise ValueError(
-                f"shard_optimizer_state={self.num_replicas} but the data axes {axes.name!r} have {axes.replicas} "
-                "replicas here; pass shard_optimizer_state equal to the data-parallel size."
-            )
-        if not isinstance(state.inner_state, _zero.ShardedInnerState):
-            raise ValueError("opt_state was not made by a transformation with shard_optimizer_state set")
-        if scattered:
-            if params is None:
-                raise ValueError(
-                    "FSDP statistics (fsdp_probes) need the parameter rows: "
-                    "tx.update(grads, opt_state, rows, microbatch_stats=stats)"
-                )
-            return
+    def for_samples(self, samples: _samples.Samples) -> ZeroRows | FsdpRows:
+        return FsdpRows(self.num_replicas) if samples.rows else self
+
+    def check(self, axes: _collect.Axes, state: Any, params: Any) -> None:
+        _check_rows(self.num_replicas, axes, state)
         # FSDP rows (fsdp_shard, placed with P(axis)) are (1, m) slices varying over the data axes;
         # replicated parameters, pcast or not, keep their own shapes.
         leaves = [] if params is None else jax.tree.leaves(params)
@@ -118,63 +109,83 @@ class ZeroRows:
                 "the probes' gradients: tx.update(grads, opt_state, rows, microbatch_stats=probe_grads)."
             )
 
-    def step(
-        self,
-        update: _step.Update,
-        shape: _step.Shape,
-        local_grads,
-        local_sq,
-        state,
-        params,
-        extra_args,
-        *,
-        weights=None,
-        scattered: bool = False,
-        mean_sq=None,
-    ):
-        del weights, mean_sq  # weights: refused with shard_optimizer_state; mean_sq: only from the GSPMD drop-in
+    def step(self, update: _step.Update, shape: _step.Shape, local_grads, local_sq, state, params, extra_args, samples):
+        del samples  # weights: refused with shard_optimizer_state; mean_sq: only from the GSPMD drop-in
         axis, n = shape.axes.data, shape.axes.replicas
-        groups, model = shape.groups, shape.axes.model
         low = _norms.low_precision
-        lead = _local_lead(state.inner_state.rows)
-
         with jax.named_scope("adascale/reduce_scatter"):
-            if scattered:
-                mean = jax.tree.map(lambda g: jnp.ravel(g) / n, local_grads)
-            else:
-                flat = jax.tree.map(lambda g: jnp.ravel(_zero.to_rows(g / n if low(g) else g, n)), local_grads)
-                sums = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
-                mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
-            b_local = groups.sums(model.mask([_norms.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
-            a, b = lax.psum((local_sq / n, b_local), axis)
-            a, b = model.psum((a, b))
+            flat = jax.tree.map(lambda g: jnp.ravel(_zero.to_rows(g / n if low(g) else g, n)), local_grads)
+            sums = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
+            mean = jax.tree.map(lambda s: s if low(s) else s / n, sums)
         param_rows = None
-        if params is not None and scattered:
-            param_rows = jax.tree.map(jnp.ravel, params)
-        elif params is not None:
+        if params is not None:
             index = lax.axis_index(axis)
             param_rows = jax.tree.map(
                 lambda p: lax.dynamic_index_in_dim(_zero.to_rows(p, n), index, keepdims=False), params
             )
-        shard_state = state._replace(
-            inner_state=jax.tree.map(
-                lambda x: jnp.reshape(x, x.shape[len(lead) :]) if jnp.ndim(x) else x, state.inner_state.rows
-            )
-        )
-        extra = dict(extra_args, adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(mean), model, axis))
-        row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra)
-        new_rows = jax.tree.map(
-            lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
-            new_state.inner_state,
-            state.inner_state.rows,
-        )
-        new_state = new_state._replace(inner_state=_zero.ShardedInnerState(new_rows))
-        if scattered:
-            return jax.tree.map(lambda u, g: jnp.reshape(u, g.shape), row_updates, local_grads), new_state
+        row_updates, new_state = _row_step(update, shape, mean, local_sq, state, param_rows, extra_args)
         with jax.named_scope("adascale/all_gather"):
             gathered = _all_gather(row_updates, axis)
             updates = jax.tree.map(lambda u, g: _zero.from_rows(u, g).astype(u.dtype), gathered, local_grads)
         return updates, new_state
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpRows:
+    """ZeRO rows whose gradients arrive reduce-scattered (FSDP: :func:`optax_adascale.fsdp_gather`'s backward
+    pass summed them over the replicas, its probes took the per-replica squared norms): the row update alone."""
+
+    num_replicas: int
+
+    def check(self, axes: _collect.Axes, state: Any, params: Any) -> None:
+        _check_rows(self.num_replicas, axes, state)
+        if params is None:
+            raise ValueError(
+                "FSDP statistics (fsdp_probes) need the parameter rows: "
+                "tx.update(grads, opt_state, rows, microbatch_stats=stats)"
+            )
+
+    def step(self, update: _step.Update, shape: _step.Shape, local_grads, local_sq, state, params, extra_args, samples):
+        del samples
+        n = shape.axes.replicas
+        mean = jax.tree.map(lambda g: jnp.ravel(g) / n, local_grads)
+        param_rows = jax.tree.map(jnp.ravel, params)
+        row_updates, new_state = _row_step(update, shape, mean, local_sq, state, param_rows, extra_args)
+        return jax.tree.map(lambda u, g: jnp.reshape(u, g.shape), row_updates, local_grads), new_state
+
+
+def _check_rows(num_replicas: int, axes: _collect.Axes, state: Any) -> None:
+    if axes.replicas != num_replicas:
+        raise ValueError(
+            f"shard_optimizer_state={num_replicas} but the data axes {axes.name!r} have {axes.replicas} "
+            "replicas here; pass shard_optimizer_state equal to the data-parallel size."
+        )
+    if not isinstance(state.inner_state, _zero.ShardedInnerState):
+        raise ValueError("opt_state was not made by a transformation with shard_optimizer_state set")
+
+
+def _row_step(update: _step.Update, shape: _step.Shape, mean, local_sq, state, param_rows, extra_args):
+    """The statistics (one scalar psum over the data, then the model axes) and :func:`_step.apply` on this
+    replica's rows of the inner state."""
+    axis, n = shape.axes.data, shape.axes.replicas
+    groups, model = shape.groups, shape.axes.model
+    b_local = groups.sums(model.mask([_norms.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
+    a, b = lax.psum((local_sq / n, b_local), axis)
+    a, b = model.psum((a, b))
+    lead = _local_lead(state.inner_state.rows)
+    shard_state = state._replace(
+        inner_state=jax.tree.map(
+            lambda x: jnp.reshape(x, x.shape[len(lead) :]) if jnp.ndim(x) else x, state.inner_state.rows
+        )
+    )
+    extra = dict(extra_args, adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(mean), model, axis))
+    row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra)
+    new_rows = jax.tree.map(
+        lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
+        new_state.inner_state,
+        state.inner_state.rows,
+    )
+    return row_updates, new_state._replace(inner_state=_zero.ShardedInnerState(new_rows))
 
 
 def _local_lead(rows: Any) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from jax import lax
 
 from optax_adascale.core import _checks, _collect, _norms, _options
 from optax_adascale.core import _estimator as est
-from optax_adascale.core._microbatch import MicrobatchStats
+from optax_adascale.core._samples import MicrobatchStats
 
 Array = jax.Array
 
