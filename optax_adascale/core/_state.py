@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_adascale.core import _read
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.sharding import _zero
 from optax_adascale.tools import _noise
@@ -35,15 +36,7 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, AdaScaleState)
 
 
-def _value(x: Any) -> Any:
-    """A plain array from a leaf (unwraps Flax NNX variables, also restored without a target as ``{"value": x}``)."""
-    if isinstance(x, Mapping) and set(x.keys()) == {"value"}:
-        return _value(x["value"])
-    for attr in ("get_value", "value"):
-        if hasattr(x, attr) and not isinstance(x, (jax.Array, np.ndarray)):
-            v = getattr(x, attr)
-            return _value(v() if callable(v) else v)
-    return jnp.asarray(x)
+_value = _read.value
 
 
 def _from_mapping(x: Mapping) -> AdaScaleState | None:
@@ -63,24 +56,8 @@ def _from_mapping(x: Mapping) -> AdaScaleState | None:
 
 
 def _search(node: Any, found: list[AdaScaleState]) -> None:
-    """Depth-first search through mappings, sequences and pytree nodes (where optax.tree.get cannot reach)."""
-    if isinstance(node, AdaScaleState):
-        found.append(node)
-        return
-    if isinstance(node, Mapping):
-        state = _from_mapping(node)
-        if state is not None:
-            found.append(state)
-            return
-        children = list(node.values())
-    elif isinstance(node, (list, tuple)):
-        children = list(node)
-    else:
-        children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
-        if len(children) == 1 and children[0] is node:
-            return
-    for child in children:
-        _search(child, found)
+    """Depth-first search (where optax.tree.get cannot reach): checkpoints restored as dicts, NNX states."""
+    _read.search(node, AdaScaleState, _from_mapping, found)
 
 
 def get_adascale_state(opt_state: Any) -> AdaScaleState:
@@ -235,8 +212,8 @@ def _noise_scale(s: AdaScaleState) -> jax.Array:
     """``σ̄²/μ̄²`` in base batches; ``+inf`` where ``μ̄² = 0 < σ̄²``, 0 before the first update."""
     var: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
     sqr: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
-    var, sqr = jnp.asarray(var, jnp.float32), jnp.maximum(jnp.asarray(sqr, jnp.float32), 0.0)
-    ratio = jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
+    var, sqr = jnp.asarray(var, jnp.float32), jnp.asarray(sqr, jnp.float32)
+    ratio = _read.noise_ratio(var, sqr)
     return jnp.where(jnp.isfinite(var) & jnp.isfinite(sqr), ratio, jnp.nan)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale.core import _checks, _collect, _norms, _options
+from optax_adascale.core import _checks, _collect, _norms, _options, _read
 from optax_adascale.core import _estimator as est
 from optax_adascale.core._samples import MicrobatchStats
 
@@ -271,24 +271,15 @@ def get_noise_state(opt_state: Any) -> NoiseScaleState:
 _NOISE_REQUIRED = ("count", "grad_sqr", "grad_var", "ema_weight", "examples_per_sample", "tokens_per_example")
 
 
+def _from_mapping(node: Mapping) -> NoiseScaleState | None:
+    if not set(_NOISE_REQUIRED) <= set(node.keys()):
+        return None
+    defaults = {"gain": jnp.ones([], jnp.float32), "tau": jnp.zeros([], jnp.float32)}  # 0.2 checkpoints: 1, 0
+    return NoiseScaleState(**{f: node.get(f, defaults.get(f)) for f in NoiseScaleState._fields})
+
+
 def _search(node: Any, found: list[NoiseScaleState]) -> None:
-    if isinstance(node, NoiseScaleState):
-        found.append(node)
-        return
-    if isinstance(node, Mapping):
-        if set(_NOISE_REQUIRED) <= set(node.keys()):  # 0.2 checkpoints have no gain or tau: 1 and 0
-            defaults = {"gain": jnp.ones([], jnp.float32), "tau": jnp.zeros([], jnp.float32)}
-            found.append(NoiseScaleState(**{f: node.get(f, defaults.get(f)) for f in NoiseScaleState._fields}))
-            return
-        children = list(node.values())
-    elif isinstance(node, (list, tuple)):
-        children = list(node)
-    else:
-        children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
-        if len(children) == 1 and children[0] is node:
-            return
-    for child in children:
-        _search(child, found)
+    _read.search(node, NoiseScaleState, _from_mapping, found)
 
 
 def has_noise_state(opt_state: Any) -> bool:
@@ -309,9 +300,9 @@ def metrics(opt_state: Any) -> dict[str, Array]:
     0 where ``σ̄² = 0`` (identical samples); the two in examples and tokens are
     NaN without ``batch_size`` / ``tokens_per_example``.
     """
-    s = jax.tree.map(_value, get_noise_state(opt_state))
+    s = jax.tree.map(_read.value, get_noise_state(opt_state))
     var, sqr = s.grad_var, jnp.maximum(s.grad_sqr, 0.0)
-    ratio = jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
+    ratio = _read.noise_ratio(var, sqr)
     ratio = jnp.where(s.count > 0, ratio, jnp.nan)
     examples = ratio * s.examples_per_sample
     return {
@@ -321,12 +312,3 @@ def metrics(opt_state: Any) -> dict[str, Array]:
         "grad_sqr": sqr,
         "grad_var": var,
     }
-
-
-def _value(x: Any) -> Array:
-    """A plain array from a leaf (unwraps Flax NNX variables)."""
-    for attr in ("get_value", "value"):
-        if hasattr(x, attr) and not isinstance(x, jax.Array):
-            v = getattr(x, attr)
-            return _value(v() if callable(v) else v)
-    return jnp.asarray(x)
