@@ -84,3 +84,24 @@ def stdlib_source() -> tuple[bytes, dict]:
         "python": sys.version.split()[0],
     }
     return text, info
+
+
+def byte_corpus(val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray, dict]:
+    """:func:`stdlib_source` as bytes: the first 95 % for training, the last 5 % for validation."""
+    text, info = stdlib_source()
+    data = np.frombuffer(text, dtype=np.uint8)
+    split = int(len(data) * (1 - val_fraction))
+    return data[:split], data[split:], info
+
+
+def sample_windows(data: np.ndarray, count: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` random windows of ``length + 1`` bytes (inputs and next-byte targets), int32."""
+    starts = rng.integers(0, len(data) - length - 1, size=count)
+    return data[starts[:, None] + np.arange(length + 1)].astype(np.int32)
+
+
+def validation_windows(data: np.ndarray, count: int, length: int) -> np.ndarray:
+    """Up to ``count`` contiguous, non-overlapping windows of ``length + 1`` bytes from the start of ``data``."""
+    n = min(count, (len(data) - 1) // length)
+    starts = np.arange(n) * length
+    return data[starts[:, None] + np.arange(length + 1)].astype(np.int32)

@@ -122,27 +122,6 @@ SMOKE = Config(
 # --------------------------------------------------------------------------- data
 
 
-def load_corpus(val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray, dict]:
-    """``datasets.stdlib_source()`` as bytes: the first 95 % for training, the last 5 % for validation."""
-    text, info = datasets.stdlib_source()
-    data = np.frombuffer(text, dtype=np.uint8)
-    split = int(len(data) * (1 - val_fraction))
-    return data[:split], data[split:], info
-
-
-def sample_windows(data: np.ndarray, count: int, length: int, rng: np.random.Generator) -> np.ndarray:
-    """``count`` random windows of ``length + 1`` bytes (inputs and next-byte targets), int32."""
-    starts = rng.integers(0, len(data) - length - 1, size=count)
-    return data[starts[:, None] + np.arange(length + 1)].astype(np.int32)
-
-
-def validation_windows(data: np.ndarray, cfg: Config) -> np.ndarray:
-    """Contiguous, non-overlapping windows from the start of the held-out bytes."""
-    n = min(cfg.val_sequences, (len(data) - 1) // cfg.seq_len)
-    starts = np.arange(n) * cfg.seq_len
-    return data[starts[:, None] + np.arange(cfg.seq_len + 1)].astype(np.int32)
-
-
 # --------------------------------------------------------------------------- model
 
 
@@ -313,11 +292,13 @@ def train(cfg: Config, corpus: tuple[np.ndarray, np.ndarray], *, scale: int, dev
     step = jax.jit(step, donate_argnums=(0, 1))
     evaluate = jax.jit(loss_fn)
     batch_sharding = NamedSharding(mesh, P(DATA))
-    val = jax.device_put(validation_windows(val_bytes, cfg), NamedSharding(mesh, P()))
+    val = jax.device_put(
+        datasets.validation_windows(val_bytes, cfg.val_sequences, cfg.seq_len), NamedSharding(mesh, P())
+    )
 
     rng = np.random.default_rng(seed + 1)
     draw = lambda: jax.device_put(
-        sample_windows(train_bytes, scale * cfg.base_batch, cfg.seq_len, rng), batch_sharding
+        datasets.sample_windows(train_bytes, scale * cfg.base_batch, cfg.seq_len, rng), batch_sharding
     )  # replica i: rows i·B … (i+1)·B − 1
     start = time.perf_counter()
     step = step.lower(params, opt_state, draw()).compile()
@@ -386,7 +367,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         cfg = dataclasses.replace(cfg, budget=args.budget)
 
     devices = select_devices()
-    train_bytes, val_bytes, corpus = load_corpus()
+    train_bytes, val_bytes, corpus = datasets.byte_corpus()
     print(
         f"Corpus: {corpus['files']} files {corpus['corpus']}: {len(train_bytes):,} train / "
         f"{len(val_bytes):,} validation bytes. "
