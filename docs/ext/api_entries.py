@@ -45,7 +45,7 @@ def public_modules() -> dict[str, types.ModuleType]:
     for name in _exported(package):
         value = getattr(package, name)
         if isinstance(value, types.ModuleType):
-            found[value.__name__] = value
+            found[f"{PACKAGE}.{name}"] = value  # its public path (goodput lives in the tools wing)
     if hasattr(package, "flax") or importlib.util.find_spec("flax") is not None:
         # optax_adascale.flax imports flax, so the package does not import it: public all the same.
         found[f"{PACKAGE}.flax"] = importlib.import_module(f"{PACKAGE}.flax")
@@ -58,16 +58,19 @@ def public_names() -> set[str]:
     for module_name, module in public_modules().items():
         for name in _exported(module):
             value = getattr(module, name)
-            names.add(value.__name__ if isinstance(value, types.ModuleType) else f"{module_name}.{name}")
+            names.add(f"{module_name}.{name}")
     return names
 
 
 def _directive_for(qualified: str, value: Any) -> list[str]:
     """reStructuredText: autodoc's output is reST, so the pages wrap it in MyST's ``eval-rst``."""
     if isinstance(value, types.ModuleType):
-        return [f".. automodule:: {qualified}", "   :members:", "   :undoc-members:", ""]
+        # no :undoc-members: a dataclass's fields are documented once, by its docstring's Attributes
+        return [f".. automodule:: {qualified}", "   :members:", ""]
     if inspect.isclass(value):
-        return [f".. autoclass:: {qualified}", "   :members:", ""]
+        fields = getattr(value, "_fields", ())  # a NamedTuple's fields: documented by its Attributes, not "Alias for"
+        exclude = [f"   :exclude-members: {', '.join(fields)}"] if fields else []
+        return [f".. autoclass:: {qualified}", "   :members:", *exclude, ""]
     if callable(value):
         return [f".. autofunction:: {qualified}", ""]
     return [f".. autodata:: {qualified}", "   :no-value:", ""]
