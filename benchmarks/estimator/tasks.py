@@ -5,7 +5,7 @@
 * ``digits32``: the issue's GSPMD digits setup, an MLP 64-64-10 on scikit-learn's digits at base batch 32,
   ``T = 1500``, linear warm-up (5 %) + cosine decay tuned at ``S = 1``, momentum SGD. The GSPMD drop-in
   (``optax_adascale.value_and_grad(data_axes=...)``) gives the statistics of ``S`` vmap replicas exactly
-  (``tests/test_gspmd*.py``), so it is simulated with vmap replicas like the others.
+  (``tests/core/test_vmap_replicas_on_a_mesh.py``), so it is simulated with vmap replicas like the others.
 * ``lm``: ``benchmarks.adam``'s byte-level transformer LM with the AdamW direction, shrunk to its ``smoke``
   model (d = 32, 1 layer, 2 heads, 16-byte context) so that the grid fits the CPU budget; base batch 8
   windows, ``T = 1500``, warm-up + cosine tuned at ``S = 1``; validation on 1,024 held-out windows.
