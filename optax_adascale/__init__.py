@@ -33,7 +33,7 @@ from optax_adascale.tools._noise import NoiseScaleState, noise_scale_monitor
 _sys.modules[__name__ + ".goodput"] = goodput
 _sys.modules[__name__ + ".scaling_rules"] = scaling_rules
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = (
     "AdaScaleState",
