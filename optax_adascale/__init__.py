@@ -7,12 +7,9 @@ Distributed Training", ICML 2020, https://arxiv.org/abs/2007.05105.
 import sys as _sys
 
 from optax_adascale import experimental
-from optax_adascale.core._adascale import AdaScaleState, adascale
-from optax_adascale.core._alias import adascale_adamw, adascale_sgd
-from optax_adascale.core._estimator import Estimator
-from optax_adascale.core._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
-from optax_adascale.core._samples import MicrobatchStats
-from optax_adascale.core._state import (
+from optax_adascale._alias import adascale_adamw, adascale_sgd
+from optax_adascale._factories import adascale
+from optax_adascale._state import (
     done,
     get_adascale_state,
     metrics,
@@ -22,6 +19,10 @@ from optax_adascale.core._state import (
     state_partition_specs,
     transfer_state,
 )
+from optax_adascale.core._adascale import AdaScaleState
+from optax_adascale.core._estimator import Estimator
+from optax_adascale.core._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
+from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.gspmd import value_and_grad
 from optax_adascale.sharding._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
 from optax_adascale.sharding._stand_in import elementwise

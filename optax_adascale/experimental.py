@@ -21,7 +21,8 @@ from typing import Any
 
 import optax
 
-from optax_adascale.core import _adascale, _options
+from optax_adascale import _factories
+from optax_adascale.core import _options
 from optax_adascale.core._adam import adam_preconditioner
 
 __all__ = ("adam_preconditioner", "adascale")
@@ -70,7 +71,7 @@ def adascale(
       (Array(2., dtype=float32), Array([-0.07071068, -0.07071068], dtype=float32))
     """
     kwargs = _options.unwrap(options, "options")
-    known = set(inspect.signature(_adascale.adascale).parameters) - {"inner", "learning_rate", "deprecated"}
+    known = set(inspect.signature(_factories.adascale).parameters) - {"inner", "learning_rate", "deprecated"}
     deprecated = {k: kwargs.pop(k) for k in list(kwargs) if k not in known}
     settings = _options.create(
         **kwargs,
@@ -80,4 +81,4 @@ def adascale(
         deprecated=deprecated,
         factory="experimental.adascale",
     )
-    return _adascale.build(inner, learning_rate, settings)
+    return _factories.build(inner, learning_rate, settings)

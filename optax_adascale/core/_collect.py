@@ -19,7 +19,6 @@ from jax import lax
 from optax_adascale import _compat
 from optax_adascale.core import _groups
 from optax_adascale.core._norms import STAT_DTYPE, leaf_sq_norm, low_precision
-from optax_adascale.sharding._tensor import ModelAxes
 
 Array = jax.Array
 AxisName = str | tuple[str, ...]
@@ -212,6 +211,39 @@ def _spec_axes(spec: Any) -> frozenset[str]:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, jax.sharding.PartitionSpec) or x is None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAxes:
+    """Which model axes each leaf is split over; ``axes`` is their union (in mesh order).
+
+    A leaf split over model axes ``A`` has partial squared norms on each
+    device; summing over ``A`` gives the replica's. A leaf replicated over a
+    model axis holds the whole value on every shard of it: its contribution is
+    kept on shard 0 of that axis only, so that one ``psum`` over all model axes
+    counts every leaf once.
+    """
+
+    axes: tuple[str, ...] = ()
+    leaf_axes: tuple[frozenset[str], ...] = ()
+
+    def mask(self, values: Sequence[Array]) -> list[Array]:
+        """Per-leaf scalars, each zeroed off shard 0 of the model axes its leaf is replicated over."""
+        if not self.axes:
+            return list(values)
+        out = []
+        for value, split in zip(values, self.leaf_axes, strict=True):
+            for name in self.axes:
+                if name not in split:
+                    value = jnp.where(lax.axis_index(name) == 0, value, jnp.zeros_like(value))
+            out.append(value)
+        return out
+
+    def psum(self, x: Any) -> Any:
+        """The one scalar-sized collective over the model axes (a no-op without them)."""
+        if not self.axes:
+            return x
+        return lax.psum(x, self.axes)
 
 
 def model_axes(grads: Any, params: Any, axis_name: AxisName | None, param_specs: Any = None) -> ModelAxes:

@@ -4,8 +4,6 @@ check that ``inner`` computes on a model shard what it computes on the whole."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,44 +12,12 @@ import optax
 from jax import lax
 
 from optax_adascale import _compat
+from optax_adascale.core._collect import ModelAxes
 from optax_adascale.core._norms import STAT_DTYPE, leaf_sq_norm
 from optax_adascale.sharding import _stand_in
 
 Array = jax.Array
 AxisName = str | tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelAxes:
-    """Which model axes each leaf is split over; ``axes`` is their union (in mesh order).
-
-    A leaf split over model axes ``A`` has partial squared norms on each
-    device; summing over ``A`` gives the replica's. A leaf replicated over a
-    model axis holds the whole value on every shard of it: its contribution is
-    kept on shard 0 of that axis only, so that one ``psum`` over all model axes
-    counts every leaf once.
-    """
-
-    axes: tuple[str, ...] = ()
-    leaf_axes: tuple[frozenset[str], ...] = ()
-
-    def mask(self, values: Sequence[Array]) -> list[Array]:
-        """Per-leaf scalars, each zeroed off shard 0 of the model axes its leaf is replicated over."""
-        if not self.axes:
-            return list(values)
-        out = []
-        for value, split in zip(values, self.leaf_axes, strict=True):
-            for name in self.axes:
-                if name not in split:
-                    value = jnp.where(lax.axis_index(name) == 0, value, jnp.zeros_like(value))
-            out.append(value)
-        return out
-
-    def psum(self, x: Any) -> Any:
-        """The one scalar-sized collective over the model axes (a no-op without them)."""
-        if not self.axes:
-            return x
-        return lax.psum(x, self.axes)
 
 
 def sq_norm_fn(treedef: Any, model: ModelAxes, data_axes: AxisName | None = None):

@@ -369,7 +369,7 @@ def _statistics(stats: Any) -> tuple[float, float]:
     # A metrics dict (or any mapping of the two numbers); a checkpoint restored as a dict has ``tau_whole`` too.
     if isinstance(stats, Mapping) and "grad_var" in stats and "grad_sqr" in stats and "tau_whole" not in stats:
         return _scalar_statistics(stats["grad_var"], stats["grad_sqr"])
-    from optax_adascale.core._state import metrics  # only for an optimizer state
+    from optax_adascale._state import metrics  # only for an optimizer state
 
     m = metrics(stats)
     return _scalar_statistics(np.asarray(m["grad_var"]), np.asarray(m["grad_sqr"]))

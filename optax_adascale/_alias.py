@@ -5,8 +5,8 @@ from typing import Any
 import jax
 import optax
 
+from optax_adascale._factories import adascale
 from optax_adascale.core import _checks, _options
-from optax_adascale.core._adascale import adascale
 
 
 def _decayed_weights(weight_decay: Any) -> optax.GradientTransformation:
