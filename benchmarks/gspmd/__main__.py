@@ -66,12 +66,23 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1, default=float))
     command = "python -m benchmarks.gspmd" + (" --smoke" if args.smoke else "")
-    (out / "README.md").write_text(report(rows, command, wall, jax.__version__))
+    (out / "README.md").write_text(report(rows, command, wall, jax.__version__, kept_reading(out / "README.md")))
     print(f"wrote {out / 'README.md'} in {wall:.0f} s")
     return 0 if all(all(r["gates"].values()) for r in rows) else 1
 
 
-def report(rows, command: str, wall_s: float, jax_version: str) -> str:
+READING = ("<!-- gspmd-reading:start -->", "<!-- gspmd-reading:end -->")
+
+
+def kept_reading(path: Path) -> str:
+    """The hand-written reading of the README being rewritten (kept across runs), or a placeholder."""
+    text = path.read_text() if path.exists() else ""
+    if READING[0] in text and READING[1] in text:
+        return text[text.index(READING[0]) : text.index(READING[1]) + len(READING[1])]
+    return f"{READING[0]}\n_(No reading written for these results yet.)_\n{READING[1]}"
+
+
+def report(rows, command: str, wall_s: float, jax_version: str, reading: str = "") -> str:
     lines = [
         "# GSPMD drop-in: cost against the user's own step",
         "",
@@ -88,6 +99,8 @@ def report(rows, command: str, wall_s: float, jax_version: str) -> str:
         "callbacks. One allowance on memory, marked †: with k > 1 an FSDP leaf the loss uses at more than one "
         "place (the LM's tied embedding) is gathered once, before the micro-batch loop, and its partial "
         "gradient accumulates at full size, so the gate adds that leaf's full size.",
+        "",
+        reading,
         "",
         "| model | layout | k | gradient bytes (ours / SGD's) | extra scalar all-reduces | reductions in the loop "
         "| memory | compile | CPU wall | gates |",
