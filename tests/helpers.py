@@ -163,3 +163,27 @@ def run_example(name: str, *args: str, timeout: float = 300) -> str:
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result.stdout
+
+
+# --------------------------------------------------------------------------- Orbax round trips
+
+
+def save(path, tree) -> None:
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, tree)
+        checkpointer.wait_until_finished()
+
+
+def restore(path, target=None):
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(path) if target is None else checkpointer.restore(path, target)
+
+
+def assert_trees_equal(actual, expected) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))

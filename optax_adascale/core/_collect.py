@@ -209,10 +209,6 @@ def _spec_axes(spec: Any) -> frozenset[str]:
     return frozenset(names)
 
 
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, jax.sharding.PartitionSpec) or x is None
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelAxes:
     """Which model axes each leaf is split over; ``axes`` is their union (in mesh order).
@@ -409,4 +405,4 @@ def _explicit_spec(x: Any) -> tuple[str, ...]:
         return ()
     kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     used = _spec_axes(getattr(sharding, "spec", None))
-    return tuple(sorted(a for a in used if "Explicit" in str(kinds.get(a))))
+    return tuple(sorted(a for a in used if kinds.get(a) == jax.sharding.AxisType.Explicit))

@@ -39,10 +39,6 @@ def partitions(x: Any) -> tuple[Any, ...]:
     return parts + (None,) * (aval.ndim - len(parts))
 
 
-def used_axes(x: Any) -> frozenset[str]:
-    return frozenset(a for entry in partitions(x) for a in spec_axes(entry))
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The static facts of one call: the mesh, the data axes, the samples.

@@ -44,30 +44,6 @@ _GATHERS = ("reshard",)
 _CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
-class Plain:
-    """The loss called as written: ``(value, aux, partials, {})`` with ``partials`` the gradient of each leaf."""
-
-    def __init__(self, loss_fn, treedef, has_aux):
-        self.loss_fn, self.treedef, self.has_aux = loss_fn, treedef, has_aux
-
-    def prepare(self, plain_leaves: list[Any], batch: Any) -> None:
-        del plain_leaves, batch
-
-    def entry(self, cast: list[Any]) -> list[Any]:
-        return list(cast)
-
-    def __call__(self, cast: list[Any], batch: tuple[Any, ...]):
-        def f(leaves):
-            out = self.loss_fn(self.treedef.unflatten(leaves), *batch)
-            return out if self.has_aux else (out, None)
-
-        (value, aux), partials = jax.value_and_grad(f, has_aux=True)(cast)
-        return value, aux, partials, {}
-
-
-# --------------------------------------------------------------------------- spec helpers
-
-
 def _spec(x: Any) -> P:
     return jax.typeof(x).sharding.spec
 
@@ -421,36 +397,12 @@ class Interpreter:
 
     def equation(self, eqn, invals, lineage):
         name = eqn.primitive.name
-        if name in _GATHERS:
-            return self.reshard(eqn, invals, lineage)
-        if name == "sharding_constraint":
-            return self.constraint(eqn, invals)
-        if name in ("jit", "pjit", "closed_call", "core_call"):
-            jaxpr = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            inner = getattr(jaxpr, "jaxpr", jaxpr)
-            consts = getattr(jaxpr, "consts", ())
-            return self.eval(inner, consts, invals, _inner_lineage(inner, lineage))
-        if name == "scan":
-            return self.scan(eqn, invals, lineage)
-        if name == "while":
-            return self.while_loop(eqn, invals, lineage)
-        if name == "cond":
-            return self.cond(eqn, invals, lineage)
-        if name.startswith("remat") or name == "checkpoint":
-            return self.remat(eqn, invals, lineage)
-        if name == "shard_map":
-            return self.shard_map(eqn, invals)
+        rule = RULES.get("remat" if _is_remat(name) else name)
+        if rule is not None:
+            return rule(self, eqn, invals, lineage)
         reduced_in = any(_reduced(x) for x in invals if isinstance(x, jax.Array) or hasattr(x, "aval"))
-        if name in _CUSTOM and reduced_in:
-            return self.local(eqn, invals)
-        if name in _CUSTOM and self.convert:  # traced on Auto axes: its jaxprs re-evaluated here too
-            params = _compat.custom_call_bind_params(
-                eqn,
-                lambda j, c, a: self.eval(j, [self.constant(x) for x in c], a),
-                self.traced_mesh,
-                bwd_auto_axes=tuple(sorted(self.convert)),
-            )
-            return eqn.primitive.bind(*invals, **params)
+        if name in _CUSTOM:
+            return self.custom(eqn, invals, reduced_in)
         try:
             return self.bind(eqn, invals)
         except Exception:  # noqa: BLE001 - JAX has no reduced rule for this equation: the rule its types imply
@@ -467,6 +419,27 @@ class Interpreter:
             if not reduced_in:
                 raise
             return self.local(eqn, invals)
+
+    def call(self, eqn, invals, lineage):
+        jaxpr = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        inner = getattr(jaxpr, "jaxpr", jaxpr)
+        consts = getattr(jaxpr, "consts", ())
+        return self.eval(inner, consts, invals, _inner_lineage(inner, lineage))
+
+    def custom(self, eqn, invals, reduced_in: bool):
+        """A ``custom_jvp``/``custom_vjp`` call: on ``reduced`` values the implied local rule; traced on Auto
+        axes, its jaxprs re-evaluated here too; else bound as traced."""
+        if reduced_in:
+            return self.local(eqn, invals)
+        if not self.convert:
+            return self.bind(eqn, invals)
+        params = _compat.custom_call_bind_params(
+            eqn,
+            lambda j, c, a: self.eval(j, [self.constant(x) for x in c], a),
+            self.traced_mesh,
+            bwd_auto_axes=tuple(sorted(self.convert)),
+        )
+        return eqn.primitive.bind(*invals, **params)
 
     def gather(self, x: Any, lineage: frozenset) -> Any:
         """An FSDP leaf's value gathered off the data axes as a ``reduced`` copy, through its probe."""
@@ -502,7 +475,7 @@ class Interpreter:
         used = {a for e in parts for a in _layout.spec_axes(e)}  # a reduced value stays reduced where unsharded
         return jax.reshard(x, P(*parts, reduced=reduced - used, unreduced=frozenset(spec.unreduced)))
 
-    def constraint(self, eqn, invals):
+    def constraint(self, eqn, invals, lineage=None):
         (x,) = invals
         if not self.convert:
             return self.bind(eqn, invals)
@@ -557,7 +530,7 @@ class Interpreter:
         body = lambda *args: self.eval(inner, consts, list(args), _inner_lineage(inner, lineage))  # noqa: E731
         return jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))(*invals)
 
-    def shard_map(self, eqn, invals):
+    def shard_map(self, eqn, invals, lineage=None):
         """A ``shard_map`` in the loss: ``reduced`` inputs get ``reduced`` in specs (over its manual data axes)."""
         if not any(_reduced(x) for x in invals):
             return self.bind(eqn, invals)
@@ -600,6 +573,20 @@ class Interpreter:
             return plain_out
         result = _LocalVJP(self, eqn, red, keep_reduced=not mixing)(*invals)
         return result if eqn.primitive.multiple_results else result[0]
+
+
+# The rule table: primitive name -> Interpreter method (every other equation is bound as traced, with the
+# implied local rule where JAX has no reduced rule for it). "remat" stands for every remat/checkpoint primitive.
+RULES: dict[str, Any] = {
+    **{name: Interpreter.reshard for name in _GATHERS},
+    "sharding_constraint": Interpreter.constraint,
+    **{name: Interpreter.call for name in ("jit", "pjit", "closed_call", "core_call")},
+    "scan": Interpreter.scan,
+    "while": Interpreter.while_loop,
+    "cond": Interpreter.cond,
+    "remat": Interpreter.remat,
+    "shard_map": Interpreter.shard_map,
+}
 
 
 def _axes_of(x: Any) -> frozenset[str]:

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from helpers import (
     TP,
@@ -30,11 +29,14 @@ from helpers import (
     TP_H,
     TP_MESH,
     TP_MODEL,
+    assert_trees_equal,
     full_loss,
     gain_and_tau,
     init_tp_params,
     make_tp_tx,
     make_tx,
+    restore,
+    save,
     scratch_dir,
     tp_batches,
     tp_loss,
@@ -133,23 +135,6 @@ class Replicas:
             params, opt_state = self.step(params, opt_state, call)
             gains.append(optax_adascale.get_adascale_state(opt_state).gain)
         return params, opt_state, np.asarray(gains)
-
-
-def save(path, tree) -> None:
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, tree)
-        checkpointer.wait_until_finished()
-
-
-def restore(path, target: Any = None) -> Any:
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(path) if target is None else checkpointer.restore(path, target)
-
-
-def assert_trees_equal(actual, expected) -> None:
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
 def n_replicas(mode: str) -> int:

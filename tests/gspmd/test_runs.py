@@ -414,7 +414,7 @@ def test_mesh_keyword_without_context():
 def test_state_shardings_follow_the_params_and_survive_an_orbax_round_trip(tmp_path):
     """jax.jit(tx.init, out_shardings=state_shardings) shards momentum like its parameter (TP×FSDP);
     Orbax saves that state and restores it onto the same shardings; the resumed run equals the unbroken one."""
-    from test_checkpoint import assert_trees_equal, restore, save
+    from helpers import assert_trees_equal, restore, save
 
     mesh, specs = auto_mesh(), LAYOUTS["TPxFSDP"]
     tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9)
