@@ -57,7 +57,6 @@ def public_names() -> set[str]:
     names = set()
     for module_name, module in public_modules().items():
         for name in _exported(module):
-            value = getattr(module, name)
             names.add(f"{module_name}.{name}")
     return names
 
