@@ -2,8 +2,6 @@
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -29,18 +27,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 _COMPILE_FAST = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
-def _xla_accepts(flags: str) -> bool:
-    code = "import jax, jax.numpy as jnp; jnp.zeros(1).block_until_ready()"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120).returncode == 0
-
-
 if not os.environ.get("OPTAX_ADASCALE_TESTS_XLA_FLAGS_CHOSEN"):
-    _flags = os.environ.get("XLA_FLAGS", "")
-    for _option in _COMPILE_FAST:
-        if _option.split("=")[0] not in _flags and _xla_accepts(f"{_flags} {_option}".strip()):
-            _flags = f"{_flags} {_option}".strip()
-    os.environ["XLA_FLAGS"] = _flags
+    from benchmarks.harness import xla
+
+    xla.add_flags(*_COMPILE_FAST)
     os.environ["OPTAX_ADASCALE_TESTS_XLA_FLAGS_CHOSEN"] = "1"
 
 import jax  # noqa: E402
