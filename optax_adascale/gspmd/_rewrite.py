@@ -466,7 +466,8 @@ class Interpreter:
         (x,) = invals
         target = eqn.params["dst_sharding"]
         if _layout.auto_axes(target.mesh):  # a cast to Auto axes (how .at[].get(out_sharding=) gathers): as traced
-            return self.bind(eqn, invals)
+            # traced on the Auto mesh and run on the Explicit one, the cast is the hint a constraint is
+            return self._hint(x, target.spec) if self.convert else self.bind(eqn, invals)
         reduced = _reduced(x)
         if not reduced:
             return self.bind(eqn, invals)
@@ -479,8 +480,10 @@ class Interpreter:
         (x,) = invals
         if not self.convert:
             return self.bind(eqn, invals)
-        sharding = eqn.params["sharding"]
-        spec = getattr(sharding, "spec", None)
+        return self._hint(x, getattr(eqn.params["sharding"], "spec", None))
+
+    def _hint(self, x, spec):
+        """A sharding written for the Auto mesh, on the Explicit one: its axes not made Explicit, as a constraint."""
         if spec is None:
             return x
         parts = tuple(_strip(e, self.convert) for e in spec.partitions)

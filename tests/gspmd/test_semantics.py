@@ -397,6 +397,26 @@ def test_auto_mesh_is_exact_for_the_mean_and_token_weighted_losses(head):
     assert_stats(stats, HEADS[head])
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_auto_mesh_dropout_is_the_global_call(k):
+    """jax.random.bernoulli(..., out_sharding=) on an Auto mesh casts its key and mask to the Auto mesh (auto_axes):
+    on the Explicit mesh the loss runs on, those casts are sharding hints (JAX 0.11.2 failed: 'NoneType' has no
+    'spec')."""
+
+    def loss(p, x, tok, y, mask, key):  # the key an argument and the mask's sharding named, as NNX's Dropout does
+        h = jnp.tanh((x + p["emb"][tok]) @ p["w1"] + p["b1"])
+        keep = jax.random.bernoulli(key, 0.8, h.shape, out_sharding=jax.typeof(h).sharding)
+        h = jnp.where(keep, h / 0.8, 0.0)
+        return HEADS["mean_xent"](h @ p["w2"] + p["b2"], y, mask, p)
+
+    with pytest.warns(UserWarning, match=r"tensor parallelism over them is lost"):
+        (value, grads, stats), (ref_value, ref_grads) = run(
+            loss, "TP", k=k, axis_type=AxisType.Auto, extra=(jax.random.key(7),)
+        )
+    assert_close((value, grads), (ref_value, ref_grads))
+    assert stats.num_microbatches == SHARDS * k and all(np.isfinite(float(v)) for v in jax.tree.leaves(stats.sq_norms))
+
+
 @pytest.mark.parametrize("head", ["in_batch_negatives", "sort"])
 def test_auto_mesh_refuses_a_loss_it_cannot_run_exactly_and_names_the_explicit_mesh(head):
     def loss(p, x, tok, y, mask):
