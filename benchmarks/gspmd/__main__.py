@@ -75,6 +75,10 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.gspmd" + (" --smoke" if args.smoke else "")
     if args.models:
         command += f" --models {' '.join(args.models)}"
+    if args.time_steps != 3:
+        command += f" --time-steps {args.time_steps}"
+    if args.out is not None:
+        command += f" --out {args.out}"
     (out / "README.md").write_text(report(rows, command, wall, jax.__version__, kept_reading(out / "README.md")))
     print(f"wrote {out / 'README.md'} in {wall:.0f} s")
     return 0 if all(all(r["gates"].values()) for r in rows) else 1
