@@ -41,11 +41,11 @@ over ``--rounds`` rounds; absolute milliseconds are recorded too, the ratios are
 The torch peer runs first, before JAX initialises the GPU, so that JAX's preallocation leaves it
 room; its memory is released before the JAX cases start.
 
-    python -m benchmarks.gpu --out benchmarks/gpu/gpu_h100.json      # the suite (estimated 4-6 min on an H100)
+    python -m benchmarks.gpu --out benchmarks/gpu/gpu_h200.json      # the suite (2 min on an H200 without the peer)
     python -m benchmarks.gpu --smoke --out /tmp/gpu_smoke.json   # tiny shapes on a CPU: about a minute
     python -m benchmarks.gpu --smoke --no-peer --variants adascale --rounds 2   # the test's subset
     python -m benchmarks.gpu --profile /tmp/trace --cases lm profile   # + a jax.profiler trace
-    python -m benchmarks.gpu --report benchmarks/gpu/gpu_h100.json         # -> README.md "gpu" section
+    python -m benchmarks.gpu --report benchmarks/gpu/gpu_h200.json         # -> README.md "gpu" section
 
 Files: ``gpu.py`` (this: timing, the cases, the command line), ``models.py`` (the LM and the CNN in JAX,
 the LM in torch), ``results.py`` (the README section from the JSON file).
