@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_adascale.core import _checks, _microbatch
 from optax_adascale.core._samples import MicrobatchStats
-from optax_adascale.gspmd import _layout, _mesh, _rewrite
+from optax_adascale.gspmd import _layout, _mesh, _rewrite, _split
 from optax_adascale.gspmd._layout import Layout
 
 
@@ -151,20 +151,10 @@ def _per_replica(loss_fn, k, has_aux, mesh, unroll):
         value, grads, stats = per_replica(params, *batch)
         if has_aux:  # stacked over the k micro-batches: combined as for the global batch
             loss, aux = value
-            value = (loss, jax.tree.map(_combine, aux))
+            value = (loss, jax.tree.map(_split.combine, aux))
         return value, grads, stats
 
     return fn
-
-
-def _combine(x: Any) -> Any:
-    """An aux leaf over the micro-batches (leading axis): floating leaves averaged, integers (counts) summed,
-    booleans or'ed (a flag raised by any micro-batch), PRNG keys the last micro-batch's."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return x[-1]
-    if x.dtype == jnp.bool_:
-        return jnp.any(x, axis=0)
-    return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.sum(x, axis=0)
 
 
 def _mesh_context(the_mesh, given):
@@ -189,8 +179,7 @@ class _Leaf:
 
 
 def _leaf(layout: Layout, p: Any) -> _Leaf:
-    spec = jax.typeof(p).sharding.spec
-    parts = tuple(spec.partitions) + (None,) * (jnp.ndim(p) - len(spec.partitions))
+    parts = _layout.partitions(p)
     split = frozenset(a for entry in parts for a in _layout.spec_axes(entry))
     return _Leaf(P(*parts), split, bool(split & set(layout.data)))
 
@@ -204,7 +193,7 @@ def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, 
     fsdp = tuple(i for i, leaf in enumerate(info) if leaf.fsdp)
     cast = [p if leaf.fsdp else jax.reshard(p, P(*leaf.spec.partitions, reduced=data)) for p, leaf in zip(leaves, info)]
     loss = _rewrite.Probed(loss_fn, treedef, fsdp, layout, convert, has_aux, trace)
-    split = _Split.of(layout, args)
+    split = _split.Split.of(layout, args)
     loss.prepare(leaves, args if layout.k == 1 else split.first_avals())
     entry = loss.entry(cast)
 
@@ -212,11 +201,11 @@ def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, 
         """One (micro-)batch: value, aux, partial gradients (probed FSDP leaves reduce-scattered), ‖·‖² arrays."""
         value, aux, partials, probe_sq = loss(entry, batch)
         own = [i for i in range(len(partials)) if i not in probe_sq]
-        local = _layout.local_sqs(layout, [(partials[i], _partial_spec(partials[i]), True) for i in own])
+        local = _layout.local_sqs(layout, [(partials[i], _layout.partial_spec(partials[i]), True) for i in own])
         if probe_sq:  # leaf order: the probed leaves' arrays in their places
             rows = {i: local[j] for j, i in enumerate(own)} | dict(probe_sq)
             local = jnp.stack([rows[i] for i in range(len(partials))])
-        return _plain(value), _plain(aux), partials, local
+        return jax.tree.map(_layout.plain, (value, aux)) + (partials, local)
 
     if layout.k == 1:
         value, aux, partials, sq = one(args)
@@ -224,7 +213,9 @@ def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, 
         value, aux, partials, sq = split.scan(one, [_zeros_like_partial(x) for x in entry], layout, unroll)
     # The partials sum the k micro-batches' gradients (each of weight 1/k in the mean).
     k = layout.k
-    grads = [jax.reshard(g, leaf.spec) if _is_unreduced(g) else g for g, leaf in zip(partials, info, strict=True)]
+    grads = [
+        jax.reshard(g, leaf.spec) if _layout.unreduced_axes(g) else g for g, leaf in zip(partials, info, strict=True)
+    ]
     grads = [(g if k == 1 else g / k).astype(p.dtype) for g, p in zip(grads, leaves, strict=True)]
     # g_i = (n/k)·partial_i per sample (k micro-batches of weight 1/k): a = mean_i ‖g_i‖² = (n/k²)·Σ_i ‖partial_i‖².
     b_sq = _layout.local_sqs(layout, [(g, leaf.spec, False) for g, leaf in zip(grads, info, strict=True)])
@@ -236,41 +227,14 @@ def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, 
     return value, treedef.unflatten(grads), stats
 
 
-def _is_unreduced(x: Any) -> bool:
-    return bool(getattr(jax.typeof(x).sharding.spec, "unreduced", None))
-
-
-def _partial_spec(x: Any) -> P:
-    spec = jax.typeof(x).sharding.spec
-    return P(*_layout.partitions(x), unreduced=frozenset(getattr(spec, "unreduced", ())))
-
-
 def _zeros_like_partial(x: Any) -> Any:
     """Zeros typed as the gradient of ``x``: unreduced where ``x`` is reduced, float32 or wider."""
     dtype = jnp.promote_types(x.dtype, jnp.float32)
-    reduced = frozenset(getattr(jax.typeof(x).sharding.spec, "reduced", ()))
+    reduced = _layout.reduced_axes(x)
     parts = _layout.partitions(x)
     if reduced:
         return jax.reshard(jnp.zeros(x.shape, dtype, out_sharding=P(*parts)), P(*parts, unreduced=reduced))
     return jnp.zeros(x.shape, dtype, out_sharding=P(*parts))
-
-
-def _unreduced(leaf: _Leaf, data: frozenset[str]) -> P:
-    return P(*leaf.spec.partitions, unreduced=data)
-
-
-def _plain(tree: Any) -> Any:
-    """Leaves typed ``reduced`` (computed from reduced parameters alone) as plain arrays: the same values."""
-
-    def plain(x):
-        if not isinstance(x, jax.Array):
-            return x
-        spec = jax.typeof(x).sharding.spec
-        if not getattr(spec, "reduced", None):
-            return x
-        return jax.reshard(x, P(*spec.partitions))
-
-    return jax.tree.map(plain, tree)
 
 
 def _check_batch_sharded(layout: Layout, args: Any) -> None:
@@ -295,95 +259,23 @@ def _one_shard(loss_fn, has_aux, layout: Layout, params, args, unroll=1):
         value, grads = grad_fn(params, *args)
         sqs = jax.tree.map(sq, grads)
         return value, grads, MicrobatchStats(sqs, 1, mean_sq_norms=sqs)
-    split = _Split.of(layout, args)
+    split = _split.Split.of(layout, args)
 
     def body(carry, micro):
         acc, sq_acc = carry
-        value, grads = grad_fn(params, *split._batch(micro))
+        value, grads = grad_fn(params, *split.batch(micro))
         acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
         return (acc, jax.tree.map(lambda s, g: s + sq(g), sq_acc, grads)), value
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
     sq_zeros = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params)
-    xs = [split._micro(split.flat[i]) for i in split.rows]
+    xs = [split.micro(split.flat[i]) for i in split.rows]
     (acc, sq_acc), values = lax.scan(body, (zeros, sq_zeros), xs, unroll=unroll)
     k = layout.k
     grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-    value = (jnp.mean(values[0]), jax.tree.map(_combine, values[1])) if has_aux else jnp.mean(values)
+    value = (jnp.mean(values[0]), jax.tree.map(_split.combine, values[1])) if has_aux else jnp.mean(values)
     stats = MicrobatchStats(jax.tree.map(lambda s: s / k, sq_acc), k, mean_sq_norms=jax.tree.map(sq, grads))
     return value, grads, stats
-
-
-# --------------------------------------------------------------------------- k micro-batches
-
-
-@dataclasses.dataclass
-class _Split:
-    """The arguments as ``k`` global micro-batches: the leaves sharded over the data axes on their first
-    dimension are cut (micro-batch ``j``: the ``j``-th block of every data shard's rows), the rest go whole."""
-
-    layout: Layout
-    flat: list[Any]
-    tree: Any
-    rows: list[int]
-
-    @classmethod
-    def of(cls, layout: Layout, args: Any) -> _Split:
-        flat, tree = jax.tree.flatten(args)
-        data = set(layout.data)
-        rows = [
-            i for i, x in enumerate(flat) if jnp.ndim(x) and data <= set(_layout.spec_axes(_layout.partitions(x)[0]))
-        ]
-        if layout.k > 1:
-            for i in rows:
-                if flat[i].shape[0] % layout.n:
-                    raise ValueError(
-                        f"an argument sharded over {layout.data} has {flat[i].shape[0]} rows, not divisible by data "
-                        f"shards × num_microbatches = {layout.shards} × {layout.k}: each micro-batch takes the same "
-                        "rows of every shard."
-                    )
-        return cls(layout, flat, tree, rows)
-
-    def first_avals(self) -> Any:
-        """The arguments of one micro-batch, as ``ShapeDtypeStruct``\\ s (to trace the loss at)."""
-        out = []
-        for i, x in enumerate(self.flat):
-            aval = jax.typeof(x)
-            shape = ((x.shape[0] // self.layout.k,) + x.shape[1:]) if i in self.rows else aval.shape
-            out.append(jax.ShapeDtypeStruct(shape, aval.dtype, sharding=aval.sharding, weak_type=aval.weak_type))
-        return self.tree.unflatten(out)
-
-    def _micro(self, x: Any) -> Any:
-        """``(B, ...)`` as ``(k, B/k, ...)``: entry ``j`` of axis 0 holds the ``j``-th block of every shard's rows."""
-        k, shards = self.layout.k, self.layout.shards
-        parts = _layout.partitions(x)
-        y = x.reshape(
-            (shards, k, x.shape[0] // (shards * k)) + x.shape[1:], out_sharding=P(parts[0], None, None, *parts[1:])
-        )
-        return jnp.moveaxis(y, 1, 0)
-
-    def _batch(self, micro: list[Any]) -> Any:
-        full = list(self.flat)
-        for i, x in zip(self.rows, micro, strict=True):
-            full[i] = x.reshape(
-                (x.shape[0] * x.shape[1],) + x.shape[2:], out_sharding=P(*_layout.partitions(self.flat[i]))
-            )
-        return self.tree.unflatten(full)
-
-    def scan(self, one, zeros: list[Any], layout: Layout, unroll: int | bool = 1):
-        """``one`` over the micro-batches: partials and ``‖·‖²`` arrays accumulate per device, no reduction."""
-        xs = [self._micro(self.flat[i]) for i in self.rows]
-        mesh_zero = jnp.zeros((len(zeros),) + layout.axis_sizes, jnp.float32, out_sharding=P(None, *layout.axis_names))
-
-        def body(carry, micro):
-            acc, sq_acc = carry
-            value, aux, partials, sq = one(self._batch(micro))
-            acc = [a + g.astype(a.dtype) for a, g in zip(acc, partials, strict=True)]
-            sq_acc = sq_acc + sq
-            return (acc, sq_acc), (value, aux)
-
-        (acc, sq), (values, auxes) = lax.scan(body, (zeros, mesh_zero), xs, unroll=unroll)
-        return jnp.mean(values), jax.tree.map(_combine, auxes), acc, sq
 
 
 # --------------------------------------------------------------------------- Auto axes
@@ -433,10 +325,7 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...],
         if shapes not in traced:
             avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [*plain_leaves, *batch_leaves]]
             with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
-                try:
-                    traced[shapes] = jax.make_jaxpr(flat_loss)(*avals)
-                except Exception:
-                    raise
+                traced[shapes] = jax.make_jaxpr(flat_loss)(*avals)
         return traced[shapes], out_tree[-1]
 
     def inner(leaves, flat):

@@ -1,4 +1,4 @@
-"""Where the drop-in's numbers live on the mesh: axis kinds, parameter specs, and per-device statistics.
+"""Where the drop-in's numbers live on the mesh: axis kinds, values' sharding types, per-device statistics.
 
 Statistics are kept as *mesh-shaped* float32 arrays: element ``[i, j, ...]`` is device
 ``(i, j, ...)``'s local ``Σ x²`` of its block of a gradient. :func:`local_sq` makes one (a
@@ -37,6 +37,49 @@ def partitions(x: Any) -> tuple[Any, ...]:
     spec = aval.sharding.spec
     parts = tuple(spec.partitions)
     return parts + (None,) * (aval.ndim - len(parts))
+
+
+def _spec_of(x: Any) -> P:
+    return jax.typeof(x).sharding.spec
+
+
+def reduced_axes(x: Any) -> frozenset[str]:
+    """The mesh axes ``x``'s type is ``reduced`` over (none for a value without a sharded type)."""
+    try:
+        return frozenset(getattr(_spec_of(x), "reduced", frozenset()))
+    except (AttributeError, TypeError):  # not an array (an aux leaf of another type)
+        return frozenset()
+
+
+def unreduced_axes(x: Any) -> frozenset[str]:
+    """The mesh axes ``x``'s type is ``unreduced`` over: a partial sum on each device."""
+    try:
+        return frozenset(getattr(_spec_of(x), "unreduced", frozenset()))
+    except (AttributeError, TypeError):
+        return frozenset()
+
+
+def partial_spec(x: Any) -> P:
+    """``x``'s spec with one entry per dimension and its ``unreduced`` axes: how a ``shard_map`` reads a partial."""
+    return P(*partitions(x), unreduced=unreduced_axes(x))
+
+
+def axes_of(x: Any) -> frozenset[str]:
+    """The mesh axes an array's dimensions are split over (none for a scalar or a non-array)."""
+    if not hasattr(x, "shape") or not jnp.ndim(x):
+        return frozenset()
+    return frozenset(a for e in partitions(x) for a in spec_axes(e))
+
+
+def strip(entry: Any, axes: frozenset[str]) -> Any:
+    """A spec entry without ``axes``."""
+    kept = tuple(a for a in spec_axes(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def plain(x: Any) -> Any:
+    """A ``reduced`` value as a plain one (forward only: the same numbers on every device); others as they are."""
+    return jax.reshard(x, P(*partitions(x))) if reduced_axes(x) else x
 
 
 @dataclasses.dataclass(frozen=True)

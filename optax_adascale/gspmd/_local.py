@@ -1,0 +1,222 @@
+"""The rule JAX's types imply where JAX has none: an equation applied to ``reduced`` values, per data shard.
+
+An equation with no ``reduced`` rule in JAX (it raises), or a ``custom_jvp``/``custom_vjp`` call on
+``reduced`` values, runs forward on the plain values (the same numbers on every device). Its backward
+pass applies the equation's own VJP to each device's partial cotangent: every per-shard value is stacked
+on a leading axis of size ``shards`` and the VJP is ``vmap``\\ ped over it, the data axes manual. That
+needs the equation to be local to the rows (its output sharded over the data axes where an input is);
+otherwise :func:`local` raises a ``ValueError`` saying how to write that step of the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd._layout import Layout
+
+CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+def local(interp: Any, eqn, invals):
+    """``eqn`` on plain values (bound by ``interp``, the interpreter); its VJP applied to each device's partial
+    cotangent (data axes manual).
+
+    With only ``reduced`` (replicated) inputs the outputs stay ``reduced``; with an input sharded over the
+    data axes the equation must be local to the rows (its outputs sharded over them too).
+    """
+    data = interp.data
+    red = [bool(_layout.reduced_axes(x)) for x in invals]
+    mixing = any(not r and data & _layout.axes_of(x) for x, r in zip(invals, red, strict=True))
+    plain_out = interp.bind(eqn, [_layout.plain(x) if r else x for x, r in zip(invals, red, strict=True)])
+    outs = list(plain_out) if eqn.primitive.multiple_results else [plain_out]
+    if mixing and any(isinstance(o, jax.Array) and jnp.ndim(o) and not data <= _layout.axes_of(o) for o in outs):
+        raise ValueError(_not_local(eqn))
+    if not any(r and jnp.issubdtype(x.dtype, jnp.inexact) for x, r in zip(invals, red, strict=True)):
+        return plain_out
+    result = _LocalVJP(interp, eqn, red, keep_reduced=not mixing)(*invals)
+    return result if eqn.primitive.multiple_results else result[0]
+
+
+def _not_local(eqn) -> str:
+    return (
+        f"value_and_grad(data_axes=...) cannot take per-copy statistics through the operation "
+        f"'{eqn.primitive.name}' of loss_fn: JAX has no rule for it on parameters typed reduced over the data axes, "
+        "and it is not local to the rows (its output is not sharded over the data axes where an input is), so no "
+        "rule follows from the types. Build the mesh with Explicit axes and write this step of the loss so that a "
+        "parameter meets the batch in a row-local operation (a matmul, an elementwise op, an embedding lookup)."
+    )
+
+
+class _LocalVJP:
+    """``eqn`` as a ``custom_vjp``: forward on the plain values, backward the equation's own VJP per data shard.
+
+    The backward pass stacks every per-shard value on a leading axis of size ``shards`` (a data-sharded operand
+    or cotangent: its rows split; an ``unreduced`` cotangent: each shard's partial) and ``vmap``\\ s the
+    equation's VJP over that axis, under ``jax.sharding.auto_axes`` (one shard's block of an Explicit-mode
+    program need not be Explicit-valid on its own). A ``reduced`` input's stacked cotangents become its
+    ``unreduced`` partial; a data-sharded input's go back in place; a replicated one's are summed.
+    """
+
+    def __init__(self, interp: Any, eqn, red, keep_reduced):
+        self.interp, self.eqn, self.red, self.keep_reduced = interp, eqn, red, keep_reduced
+
+    def _forward(self, *xs):
+        plain = [_layout.plain(x) if r else x for x, r in zip(xs, self.red, strict=True)]
+        outs = self.interp.bind(self.eqn, plain)
+        outs = list(outs) if self.eqn.primitive.multiple_results else [outs]
+        if self.keep_reduced:
+            outs = [_as_reduced(o, self.interp.data) for o in outs]
+        return tuple(outs), tuple(plain)
+
+    def _vjp_fn(self):
+        eqn = self.eqn
+        params = eqn.primitive.get_bind_params(
+            {k: (None if isinstance(v, (NamedSharding, P)) else v) for k, v in eqn.params.items()}
+        )
+
+        def g(*xs):  # one shard's block: no trace-time context, no sharding parameters
+            out = eqn.primitive.bind(*xs, **params)
+            return list(out) if eqn.primitive.multiple_results else [out]
+
+        def vjp(plain, cts):
+            _, f = jax.vjp(g, *plain)
+            return list(f(list(cts)))
+
+        return vjp
+
+    def __call__(self, *invals):
+        layout = self.interp.layout
+        vjp = self._vjp_fn()
+
+        @jax.custom_vjp
+        def f(*xs):
+            return self._forward(*xs)[0]
+
+        def fwd(*xs):
+            return self._forward(*xs)
+
+        def bwd(plain, cts):
+            try:
+                return tuple(_per_shard_vjp(layout, vjp, list(plain), list(cts), self.red))
+            except (ValueError, TypeError) as err:
+                if self.eqn.primitive.name not in CUSTOM:
+                    raise
+                raise ValueError(_custom_refusal()) from err
+
+        f.defvjp(fwd, bwd)
+        return list(f(*invals))
+
+
+def _per_shard_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
+    res = [_Stacked.of(layout, x) for x in plain]
+    cot = [_Stacked.of(layout, c) for c in cts]
+    axes = [0 if r.stacked else None for r in res]
+
+    def per_shard(res_vals, ct_vals):
+        one = lambda rv, cv: vjp(rv, cv)  # noqa: E731
+        return jax.vmap(one, in_axes=(axes, [0 if c.stacked else None for c in cot]))(res_vals, ct_vals)
+
+    args = ([r.value for r in res], [c.value for c in cot])
+    try:
+        grads = per_shard(*args)
+    except (ValueError, TypeError):  # one shard's block is not Explicit-valid on its own (a gather): Auto inside
+        out_specs = [P(layout.data_spec, *_auto_free(x)) for x in plain]
+        grads = jax.sharding.auto_axes(per_shard, out_sharding=out_specs)(*args)
+    out = []
+    for g, x, r, rs in zip(grads, plain, red, res, strict=True):
+        if r:
+            out.append(_unstack(layout, g, x))  # a reduced input: each shard's partial
+        elif rs.stacked:
+            out.append(rs.unstack(g))  # a data-sharded input: its rows back in place
+        else:
+            out.append(jnp.sum(g, axis=0))  # a replicated input: the reduction JAX's own transpose would do
+    return out
+
+
+def _custom_refusal() -> str:
+    return (
+        "value_and_grad(data_axes=...): loss_fn applies a jax.custom_vjp / jax.custom_jvp function to a parameter "
+        "sharded over the data axes (FSDP) before the parameter is gathered; the per-copy statistics need the rule "
+        "applied to the gathered copy, and JAX checks the rule's types against the sharded one. Gather the parameter "
+        "first (jax.reshard(w, P(...)) without the data axes) and apply the function to the result, or keep that "
+        "parameter replicated over the data axes."
+    )
+
+
+def _auto_free(x: Any) -> tuple[Any, ...]:
+    """``x``'s partitions without the data axes (the stacked leading axis carries them)."""
+    return tuple(None for _ in _layout.partitions(x))
+
+
+@dataclasses.dataclass
+class _Stacked:
+    """A value as the per-shard ``vmap`` sees it: stacked on a leading axis of size ``shards``, or whole."""
+
+    value: Any
+    stacked: bool
+    dim: int = -1
+    like: Any = None
+
+    @classmethod
+    def of(cls, layout: Layout, x: Any) -> _Stacked:
+        data = frozenset(layout.data)
+        if not hasattr(x, "shape"):
+            return cls(x, False)
+        if _layout.unreduced_axes(x) & data:  # each shard's partial
+            return cls(_stack(layout, x), True, like=x)
+        if not jnp.ndim(x):
+            return cls(x, False)
+        parts = _layout.partitions(x)
+        for d, entry in enumerate(parts):
+            axes = _layout.spec_axes(entry)
+            if axes[: len(layout.data)] == layout.data:
+                rest = axes[len(layout.data) :]
+                shape = x.shape[:d] + (layout.shards, x.shape[d] // layout.shards) + x.shape[d + 1 :]
+                spec = (*parts[:d], layout.data_spec, (rest[0] if len(rest) == 1 else rest) or None, *parts[d + 1 :])
+                y = x.reshape(shape, out_sharding=P(*spec))
+                return cls(jnp.moveaxis(y, d, 0), True, d, x)
+            if data & set(axes):
+                raise ValueError(
+                    f"value_and_grad(data_axes={layout.data_spec!r}): an operand sharded {P(*parts)} splits the data "
+                    "axes in an order the drop-in cannot take apart per shard; shard the batch dimension over the "
+                    "data axes first (in mesh order)."
+                )
+        return cls(x, False)
+
+    def unstack(self, g: Any) -> Any:
+        """Per-shard cotangents ``(shards, ...)`` back into the rows of the original operand."""
+        y = jnp.moveaxis(g, 0, self.dim)
+        shape = self.like.shape
+        return y.reshape(shape, out_sharding=P(*_layout.partitions(self.like)))
+
+
+def _stack(layout: Layout, u: Any) -> Any:
+    """An ``unreduced`` array as ``(shards, *shape)``, row ``i`` data shard ``i``'s partial."""
+    spec_out = P(layout.data_spec, *(_layout.strip(e, frozenset(layout.data)) for e in _layout.partitions(u)))
+    return jax.shard_map(
+        lambda b: b[None], mesh=layout.mesh, in_specs=_layout.partial_spec(u), out_specs=spec_out, check_vma=False
+    )(u)
+
+
+def _unstack(layout: Layout, st: Any, like: Any) -> Any:
+    """``(shards, *shape)`` rows back into one ``unreduced`` array typed like ``like`` (over the other axes)."""
+    parts = _layout.partitions(like)
+    data = frozenset(layout.data)
+    spec_in = P(layout.data_spec, *(_layout.strip(e, data) for e in parts))
+    return jax.shard_map(
+        lambda b: b[0], mesh=layout.mesh, in_specs=spec_in, out_specs=P(*parts, unreduced=data), check_vma=False
+    )(st)
+
+
+def _as_reduced(x: Any, data: frozenset[str]) -> Any:
+    """A replicated floating output as ``reduced`` over the data axes (its cotangent stays each shard's)."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and not data & _layout.axes_of(x):
+        return jax.reshard(x, P(*_layout.partitions(x), reduced=data))
+    return x

@@ -1,0 +1,127 @@
+"""Where the loss gathers its FSDP leaves: one walk over its jaxpr before it is re-evaluated.
+
+A parameter sharded over the data axes is *gathered* where a value derived from it alone (through
+views: reshape, transpose, casts) meets the batch or is resharded off the data axes. :func:`walk`
+records each leaf's gather sites; a leaf gathered at one site is probed there (the probe reads each
+device's partial before the gather's transpose reduce-scatters it). A leaf gathered at several sites,
+or on every iteration of a loop that is not over its own layers, is gathered once at the loss's entry
+instead (``Plan.hoist``). The interpreter asks :func:`gathered_inputs` of every equation it
+evaluates, so the two agree on what a gather is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from optax_adascale import _compat
+from optax_adascale.gspmd import _layout
+
+GATHERS = ("reshard",)
+LOOPS = ("scan", "while")
+CALLS = ("jit", "pjit", "closed_call", "core_call", "cond")
+
+
+def is_remat(name: str) -> bool:
+    return name.startswith("remat") or name == "checkpoint"
+
+
+def _var_axes(v: Any) -> frozenset[str]:
+    """The mesh axes a jaxpr variable's type is sharded over (Explicit types)."""
+    aval = getattr(v, "aval", None)
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return frozenset()
+    return frozenset(a for e in spec.partitions for a in _layout.spec_axes(e))
+
+
+def gathered_inputs(eqn, pure: list[bool], data: frozenset[str]) -> list[int]:
+    """The inputs of ``eqn`` that are FSDP gathers: values derived from FSDP leaves alone, sharded over the data
+    axes, met by something else (a mixing equation) or resharded off the data axes."""
+    literal = _compat.literal_type()
+    real = [i for i, v in enumerate(eqn.invars) if not isinstance(v, literal)]
+    if eqn.primitive.name in GATHERS:
+        v = eqn.invars[0]
+        target = eqn.params["dst_sharding"].spec
+        off = data & _var_axes(v) - frozenset(a for e in target.partitions for a in _layout.spec_axes(e))
+        return [0] if pure[0] and off else []
+    if all(pure[i] for i in real) and eqn.primitive.name in _TRANSPARENT:
+        return []  # a view of the parameter (its cotangent the same numbers): evaluated as traced
+    return [i for i in real if pure[i] and data & _var_axes(eqn.invars[i])]
+
+
+# Equations of one parameter whose VJP hands the cotangent back unchanged but for layout or dtype: an FSDP leaf
+# passes through them before its gather. Any other use gathers it first, so that the probe sees ∂L/∂θ_i itself.
+_TRANSPARENT = frozenset(
+    ("reshape", "transpose", "convert_element_type", "squeeze", "expand_dims", "copy", "copy_p", "sharding_constraint")
+)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Where each FSDP leaf is gathered: the distinct gathered values, and uses that rule out probing it."""
+
+    sites: dict[int, set] = dataclasses.field(default_factory=dict)
+    hoist: set = dataclasses.field(default_factory=set)
+
+    def probed(self, fsdp: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i for i in fsdp if i not in self.hoist and len(self.sites.get(i, ())) == 1)
+
+
+def walk(jaxpr, lineage: dict[Any, frozenset], data: frozenset[str], plan: Plan, loop: bool = False) -> None:
+    """Walk the jaxpr with each variable's FSDP lineage (``lineage[var] = {(leaf, sliced)}``: derived from those
+    leaves alone; ``sliced``: a per-iteration slice of a scanned stack) and record the gathers."""
+    literal = _compat.literal_type()
+    for eqn in jaxpr.eqns:
+        ins = [frozenset() if isinstance(v, literal) else lineage.get(v, frozenset()) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "scan":
+            nc, ncarry = _compat.scan_counts(eqn.params)
+            body = eqn.params["jaxpr"].jaxpr
+            inner = {}
+            for i, v in enumerate(body.invars):
+                src = ins[i] if i < len(ins) else frozenset()
+                inner[v] = frozenset((leaf, True) for leaf, _ in src) if i >= nc + ncarry else src
+            walk(body, inner, data, plan, loop=True)
+        elif name in LOOPS or name in CALLS or is_remat(name):
+            for sub in subjaxprs(eqn):
+                offset = 1 if name == "cond" else 0
+                inner = {v: ins[i + offset] for i, v in enumerate(sub.invars) if i + offset < len(ins)}
+                walk(sub, inner, data, plan, loop=loop or name == "while")
+        else:
+            pure = [bool(lin) for lin in ins]
+            for i in gathered_inputs(eqn, pure, data):
+                for leaf, sliced in ins[i]:
+                    plan.sites.setdefault(leaf, set()).add(eqn.invars[i])
+                    if loop and not sliced:
+                        plan.hoist.add(leaf)  # the same copy gathered on every iteration
+            real = [i for i, v in enumerate(eqn.invars) if not isinstance(v, literal)]
+            if real and not all(pure[i] for i in real):  # a replicated FSDP-derived value meets the batch
+                for i in real:
+                    if pure[i] and not data & _var_axes(eqn.invars[i]):
+                        plan.hoist.update(leaf for leaf, _ in ins[i])
+        derived = pure_leaves(eqn, ins, literal)
+        for v in eqn.outvars:
+            if derived:
+                lineage[v] = derived
+
+
+def pure_leaves(eqn, ins, literal) -> frozenset:
+    """The FSDP leaves an equation's outputs derive from, if they derive from parameters alone (else none)."""
+    real = [lin for v, lin in zip(eqn.invars, ins, strict=True) if not isinstance(v, literal)]
+    if not real or not all(real):
+        return frozenset()
+    return frozenset().union(*real)
+
+
+def subjaxprs(eqn) -> list[Any]:
+    out = []
+    for key in sorted(eqn.params):
+        value = eqn.params[key]
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                out.append(v)
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                out.append(v.jaxpr)
+    return out

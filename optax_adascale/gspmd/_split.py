@@ -1,0 +1,98 @@
+"""The arguments as ``k`` global micro-batches, and an aux leaf combined over them.
+
+Micro-batch ``j`` is the ``j``-th contiguous block of every data shard's rows, so each micro-batch is a
+global batch sharded as the whole one is. :class:`Split` cuts the arguments and runs a function over
+the micro-batches in a ``lax.scan``, accumulating its partials and ``‖·‖²`` arrays per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd._layout import Layout
+
+
+def combine(x: Any) -> Any:
+    """An aux leaf over the micro-batches (leading axis): floating leaves averaged, integers (counts) summed,
+    booleans or'ed (a flag raised by any micro-batch), PRNG keys the last micro-batch's."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x[-1]
+    if x.dtype == jnp.bool_:
+        return jnp.any(x, axis=0)
+    return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.sum(x, axis=0)
+
+
+@dataclasses.dataclass
+class Split:
+    """The arguments as ``k`` global micro-batches: the leaves sharded over the data axes on their first
+    dimension are cut (micro-batch ``j``: the ``j``-th block of every data shard's rows), the rest go whole."""
+
+    layout: Layout
+    flat: list[Any]
+    tree: Any
+    rows: list[int]
+
+    @classmethod
+    def of(cls, layout: Layout, args: Any) -> Split:
+        flat, tree = jax.tree.flatten(args)
+        data = set(layout.data)
+        rows = [
+            i for i, x in enumerate(flat) if jnp.ndim(x) and data <= set(_layout.spec_axes(_layout.partitions(x)[0]))
+        ]
+        if layout.k > 1:
+            for i in rows:
+                if flat[i].shape[0] % layout.n:
+                    raise ValueError(
+                        f"an argument sharded over {layout.data} has {flat[i].shape[0]} rows, not divisible by data "
+                        f"shards × num_microbatches = {layout.shards} × {layout.k}: each micro-batch takes the same "
+                        "rows of every shard."
+                    )
+        return cls(layout, flat, tree, rows)
+
+    def first_avals(self) -> Any:
+        """The arguments of one micro-batch, as ``ShapeDtypeStruct``\\ s (to trace the loss at)."""
+        out = []
+        for i, x in enumerate(self.flat):
+            aval = jax.typeof(x)
+            shape = ((x.shape[0] // self.layout.k,) + x.shape[1:]) if i in self.rows else aval.shape
+            out.append(jax.ShapeDtypeStruct(shape, aval.dtype, sharding=aval.sharding, weak_type=aval.weak_type))
+        return self.tree.unflatten(out)
+
+    def micro(self, x: Any) -> Any:
+        """``(B, ...)`` as ``(k, B/k, ...)``: entry ``j`` of axis 0 holds the ``j``-th block of every shard's rows."""
+        k, shards = self.layout.k, self.layout.shards
+        parts = _layout.partitions(x)
+        y = x.reshape(
+            (shards, k, x.shape[0] // (shards * k)) + x.shape[1:], out_sharding=P(parts[0], None, None, *parts[1:])
+        )
+        return jnp.moveaxis(y, 1, 0)
+
+    def batch(self, micro: list[Any]) -> Any:
+        full = list(self.flat)
+        for i, x in zip(self.rows, micro, strict=True):
+            full[i] = x.reshape(
+                (x.shape[0] * x.shape[1],) + x.shape[2:], out_sharding=P(*_layout.partitions(self.flat[i]))
+            )
+        return self.tree.unflatten(full)
+
+    def scan(self, one, zeros: list[Any], layout: Layout, unroll: int | bool = 1):
+        """``one`` over the micro-batches: partials and ``‖·‖²`` arrays accumulate per device, no reduction."""
+        xs = [self.micro(self.flat[i]) for i in self.rows]
+        mesh_zero = jnp.zeros((len(zeros),) + layout.axis_sizes, jnp.float32, out_sharding=P(None, *layout.axis_names))
+
+        def body(carry, micro):
+            acc, sq_acc = carry
+            value, aux, partials, sq = one(self.batch(micro))
+            acc = [a + g.astype(a.dtype) for a, g in zip(acc, partials, strict=True)]
+            sq_acc = sq_acc + sq
+            return (acc, sq_acc), (value, aux)
+
+        (acc, sq), (values, auxes) = lax.scan(body, (zeros, mesh_zero), xs, unroll=unroll)
+        return jnp.mean(values), jax.tree.map(combine, auxes), acc, sq
