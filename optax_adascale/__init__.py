@@ -9,16 +9,8 @@ import sys as _sys
 from optax_adascale import experimental
 from optax_adascale._alias import adascale_adamw, adascale_sgd
 from optax_adascale._factories import adascale
-from optax_adascale._state import (
-    done,
-    get_adascale_state,
-    metrics,
-    replicate_buffers,
-    scale_invariant_steps,
-    state_axes,
-    state_partition_specs,
-    transfer_state,
-)
+from optax_adascale._placement import replicate_buffers, state_axes, state_partition_specs, transfer_state
+from optax_adascale._state import done, get_adascale_state, metrics, scale_invariant_steps
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.core._estimator import Estimator
 from optax_adascale.core._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
