@@ -50,7 +50,7 @@ def _spec_tree(tree: Any) -> Any:
     return jax.tree.map(lambda a: a.sharding, tree)
 
 
-def user_value_and_grad(loss, k: int, shards: int = 4):
+def user_value_and_grad(loss, k: int, shards: int = 4, auto: bool = False):
     """The user's own step: ``jax.value_and_grad`` of the loss; with ``k > 1`` the user's own accumulation (as
     MaxText's ``gradient_accumulation_steps``): a ``lax.scan`` over the k micro-batches (micro-batch ``j``: the
     ``j``-th block of every data shard's rows, as the drop-in's), gradients summed and divided by k."""
@@ -60,11 +60,17 @@ def user_value_and_grad(loss, k: int, shards: int = 4):
 
     def split(x):
         rest = (None,) * (x.ndim - 1)
-        y = x.reshape((shards, k, x.shape[0] // (shards * k)) + x.shape[1:], out_sharding=P("data", None, None, *rest))
+        shape = (shards, k, x.shape[0] // (shards * k)) + x.shape[1:]
+        if auto:
+            y = jax.lax.with_sharding_constraint(x.reshape(shape), P("data", None, None, *rest))
+        else:
+            y = x.reshape(shape, out_sharding=P("data", None, None, *rest))
         return jnp.moveaxis(y, 1, 0)
 
     def join(m):
-        return m.reshape((m.shape[0] * m.shape[1],) + m.shape[2:], out_sharding=P("data", *(None,) * (m.ndim - 2)))
+        spec = P("data", *(None,) * (m.ndim - 2))
+        shape = (m.shape[0] * m.shape[1],) + m.shape[2:]
+        return jax.lax.with_sharding_constraint(m.reshape(shape), spec) if auto else m.reshape(shape, out_sharding=spec)
 
     def fn(params, *batch):
         def body(acc, micro):
@@ -78,16 +84,17 @@ def user_value_and_grad(loss, k: int, shards: int = 4):
     return fn
 
 
-def make_step(variant: str, model: models.Model, k: int):
+def make_step(variant: str, model: models.Model, k: int, shards: int = 4):
     """``(params, opt_state, *batch) -> (params, opt_state, loss)`` and its optimizer."""
     loss = model.loss
     if variant == "sgd":
         tx = optax.sgd(0.1, momentum=0.9)
     else:
         tx = optax_adascale.adascale_sgd(0.1, momentum=0.9)
-    grad_fn = optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k)
-    users = user_value_and_grad(loss, k)
-    n = 4 * k
+    specs = model.specs if model.auto else None
+    grad_fn = optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k, param_specs=specs)
+    users = user_value_and_grad(loss, k, shards, model.auto)
+    n = shards * k
 
     def step(params, opt_state, *batch):
         if variant == "drop-in":
@@ -113,6 +120,7 @@ def _memory(compiled) -> int:
 
 def measure(model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: int = 0) -> dict[str, Any]:
     """Compile the three variants (alternately, ``rounds`` times) and read their facts; time ``time_steps``."""
+    shards = mesh.shape["data"]
     with jax.set_mesh(mesh):
         params, batch = model.place(mesh)
         out: dict[str, Any] = {v: {"compile_s": []} for v in VARIANTS}
@@ -120,7 +128,7 @@ def measure(model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: i
         states = {}
         for r in range(rounds):
             for v in VARIANTS:
-                step, tx = make_step(v, model, k)
+                step, tx = make_step(v, model, k, shards)
                 state = jax.jit(tx.init)(params)
                 states[v] = state
                 jitted = jax.jit(step, donate_argnums=(0, 1))
@@ -129,7 +137,7 @@ def measure(model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: i
                 out[v]["compile_s"].append(time.perf_counter() - t0)
                 if r == 0:
                     compiled[v] = (c, step, state)
-        data_of = {d.id: i for i, row in enumerate(np.asarray(mesh.devices).reshape(4, -1)) for d in row}
+        data_of = {d.id: i for i, row in enumerate(np.asarray(mesh.devices).reshape(shards, -1)) for d in row}
         for v in VARIANTS:
             c = compiled[v][0]
             text = c.as_text()
@@ -150,15 +158,15 @@ def measure(model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: i
             out[v]["memory_out_shardings"] = _memory(c2)
         out["allowance"] = model.hoisted_bytes(k)
         if time_steps:
-            out["wall"] = _time(model, k, params, batch, time_steps)
+            out["wall"] = _time(model, k, params, batch, time_steps, shards)
     return out
 
 
-def _time(model, k, params, batch, steps: int, rounds: int = 7) -> dict[str, float]:
+def _time(model, k, params, batch, steps: int, shards: int = 4, rounds: int = 7) -> dict[str, float]:
     """Alternated timed blocks of ``steps`` steps (drop-in, same-opt); the median of the per-round ratios."""
     runners = {}
     for v in ("drop-in", "same-opt"):
-        step, tx = make_step(v, model, k)
+        step, tx = make_step(v, model, k, shards)
         f = jax.jit(step)
         state = jax.jit(tx.init)(params)
         jax.block_until_ready(f(params, state, *batch))

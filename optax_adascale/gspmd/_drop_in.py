@@ -21,6 +21,7 @@ loss's ``with_sharding_constraint``\\ s lose those axes (``_rewrite``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ def value_and_grad(
     num_microbatches: int = 1,
     has_aux: bool = False,
     mesh: Any = None,
+    param_specs: Any = None,
     unroll: int | bool = 1,
 ) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
     """``jax.value_and_grad`` of the loss as written, plus the statistics AdaScale needs: ``(value, grads, stats)``.
@@ -78,9 +80,14 @@ def value_and_grad(
       once, after the loop.
     - Meshes: Explicit axes (``jax.make_mesh``'s default) for every layout
       (replicated, tensor-parallel, FSDP, stacked scanned layers, remat). Auto
-      axes: the data axes are made Explicit while the loss runs and its
-      ``with_sharding_constraint``\\ s lose them; a loss that is not valid that
-      way raises a ``ValueError`` naming the Explicit mesh as the fix.
+      axes (``jax.sharding.Mesh``'s default, MaxText's ``shard_mode=auto``): the
+      loss runs with the axes made Explicit, the parameters laid out by
+      ``param_specs`` (without it they are replicated inside the loss, with a
+      warning), and where Explicit types ask for a decision GSPMD makes by
+      itself the drop-in makes GSPMD's: an FSDP weight is gathered at its use,
+      a contraction over a tensor-parallel dimension sums its partial products.
+      A loss that cannot run that way raises a ``ValueError`` naming the
+      Explicit mesh as the fix.
 
     **Per replica** (``data_axes=None``): inside ``shard_map``, ``pmap`` or
     ``vmap`` the batch is already the replica's; its ``k`` contiguous micro-batches
@@ -94,6 +101,11 @@ def value_and_grad(
       num_microbatches: ``k ≥ 1`` micro-batches per step (per replica).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       mesh: the mesh, if not set by ``jax.set_mesh``.
+      param_specs: the parameters' ``PartitionSpec``\\ s (or ``NamedSharding``\\ s:
+        MaxText's state shardings), a pytree like ``params``. On a mesh with
+        Auto axes the parameters keep this layout inside the loss (an Auto
+        mesh does not record it in their types). On Explicit axes the types
+        say it; specs given there must agree with them.
       unroll: passed to the micro-batch ``lax.scan`` (``True`` trades compile time
         and memory for speed where loop bodies run slowly, e.g. XLA:CPU convolutions).
 
@@ -126,6 +138,7 @@ def value_and_grad(
     def fn(params, *args):
         the_mesh = _mesh.resolve_mesh(mesh, names)
         layout = Layout.of(the_mesh, names, num_microbatches, mesh)
+        specs = _layout.param_specs_like(param_specs, params, layout)
         if layout.shards == 1 and num_microbatches == 1:
             _checks.warn(
                 f"value_and_grad(data_axes={data_axes!r}): the data axes have a single device, so each step has "
@@ -137,7 +150,9 @@ def value_and_grad(
                 return _one_shard(loss_fn, has_aux, layout, params, args, unroll)
             convert = _layout.auto_axes(the_mesh)
             if convert:
-                return _converted(loss_fn, has_aux, layout, the_mesh, convert, params, args, unroll)
+                return _converted(loss_fn, has_aux, layout, the_mesh, convert, specs, params, args, unroll)
+            if specs is not None:
+                _layout.check_specs_agree(specs, params)
             return _global(loss_fn, has_aux, layout, params, args, unroll=unroll)
 
     return fn
@@ -281,29 +296,32 @@ def _one_shard(loss_fn, has_aux, layout: Layout, params, args, unroll=1):
 # --------------------------------------------------------------------------- Auto axes
 
 
-def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...], params, args, unroll=1):
+def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...], specs, params, args, unroll=1):
     """The Auto axes made Explicit for the loss, which is traced once on the Auto mesh.
 
     Reduced/unreduced types are only sound with every mesh axis Explicit (JAX 0.10 asserts it; on 0.12 a
     mesh with Auto axes left gives wrong partials), so every Auto axis is converted. Inside, the parameters
-    are replicated over the converted axes and every argument leaf whose first dimension the data shards
-    divide is sharded over the data axes (the batch); the loss's jaxpr is re-evaluated there with those
-    axes dropped from its ``with_sharding_constraint``\\ s. A model axis then replicates inside the loss
-    (exact, without its parallelism): a warning says so.
+    are laid out by ``specs`` (``param_specs``; replicated without them, with a warning) and every argument
+    leaf whose first dimension the data shards divide is sharded over the data axes (the batch); the loss's
+    jaxpr is re-evaluated there with those axes dropped from its ``with_sharding_constraint``\\ s, and the
+    decisions Explicit types ask for made as GSPMD makes them (``_rewrite``).
     """
     if layout.mesh is not None:  # the concrete mesh named in the shard_maps must carry the converted types
         explicit = (jax.sharding.AxisType.Explicit,) * len(layout.axis_names)
         layout = dataclasses.replace(
             layout, mesh=jax.sharding.Mesh(layout.mesh.devices, layout.axis_names, axis_types=explicit)
         )
-    model = [a for a in convert if a not in layout.data and layout.size(a) > 1]
-    if model:
-        _checks.warn(
-            f"value_and_grad(data_axes={layout.data_spec!r}) on a mesh with Auto axes: the loss runs with every axis "
-            f"Explicit and the parameters replicated over {model}, so its tensor parallelism over them is lost "
-            "(the values are exact). Use a mesh with Explicit axes (jax.make_mesh's default) to keep it."
-        )
     leaves, treedef = jax.tree.flatten(params)
+    if specs is None:
+        specs = [P()] * len(leaves)
+        if math.prod(layout.axis_sizes) > 1 and leaves:
+            _checks.warn(
+                f"value_and_grad(data_axes={layout.data_spec!r}) on a mesh with Auto axes: the mesh does not record "
+                "how the parameters are laid out, so they are replicated inside the loss and the memory saving of "
+                "FSDP or tensor parallelism is lost on every device (the values are exact). Pass their "
+                "PartitionSpecs as param_specs= (a pytree like params; MaxText: the state's shardings), or use a "
+                "mesh with Explicit axes (jax.make_mesh's default)."
+            )
     flat, tree = jax.tree.flatten(args)
     shards = layout.shards
     row_spec = P(layout.data_spec)
@@ -338,7 +356,7 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...],
         except Exception as err:  # noqa: BLE001 - JAX's own error, where a loss written for Auto axes meets Explicit ones
             raise ValueError(_auto_refusal(layout, convert, err)) from err
 
-    converted = jax.sharding.explicit_axes(inner, axes=convert, in_sharding=([P()] * n_leaves, arg_specs))
+    converted = jax.sharding.explicit_axes(inner, axes=convert, in_sharding=(list(specs), arg_specs))
     return converted(leaves, flat)
 
 

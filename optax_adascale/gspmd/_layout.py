@@ -130,6 +130,51 @@ class Layout:
         return P(*self.axis_names)
 
 
+def param_specs_like(param_specs: Any, params: Any, layout: Layout) -> list[P] | None:
+    """``param_specs`` (``PartitionSpec``\\ s or ``NamedSharding``\\ s, a pytree like ``params``) as one spec per
+    leaf, checked against the mesh; ``None`` if not given."""
+    if param_specs is None:
+        return None
+    is_spec = lambda x: x is None or isinstance(x, (P, jax.sharding.NamedSharding))  # noqa: E731
+    leaves, treedef = jax.tree.flatten(params)
+    try:
+        flat = treedef.flatten_up_to(param_specs)
+    except (ValueError, TypeError) as err:
+        spec_tree = jax.tree.structure(param_specs, is_leaf=is_spec)
+        raise ValueError(
+            f"param_specs must be a pytree like params with one PartitionSpec per leaf: got {spec_tree} for params "
+            f"{treedef}."
+        ) from err
+    out = []
+    for x, spec in zip(leaves, flat, strict=True):
+        if isinstance(spec, jax.sharding.NamedSharding):
+            spec = spec.spec
+        if spec is None:
+            spec = P()
+        if not isinstance(spec, P):
+            raise TypeError(f"param_specs leaves must be PartitionSpecs or NamedShardings, got {spec!r}")
+        parts = tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
+        unknown = [a for e in parts for a in spec_axes(e) if a not in layout.axis_names]
+        if len(parts) > jnp.ndim(x) or unknown:
+            raise ValueError(
+                f"param_specs: {spec} does not fit a parameter of shape {tuple(jnp.shape(x))} on the mesh with axes "
+                f"{layout.axis_names}."
+            )
+        out.append(P(*parts))
+    return out
+
+
+def check_specs_agree(specs: list[P], params: Any) -> None:
+    """On Explicit axes the parameters' types carry their layout: ``param_specs`` must say the same."""
+    for i, (spec, x) in enumerate(zip(specs, jax.tree.leaves(params), strict=True)):
+        if tuple(spec) != partitions(x):
+            raise ValueError(
+                f"param_specs: leaf {i} is typed {P(*partitions(x))} on this mesh of Explicit axes, but param_specs "
+                f"says {spec}. On Explicit axes the parameters' types are their layout; give the specs they are "
+                "placed with, or leave param_specs out."
+            )
+
+
 def auto_axes(mesh: Any) -> tuple[str, ...]:
     return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Explicit)
 

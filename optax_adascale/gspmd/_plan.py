@@ -36,19 +36,28 @@ def _var_axes(v: Any) -> frozenset[str]:
     return frozenset(a for e in spec.partitions for a in _layout.spec_axes(e))
 
 
-def gathered_inputs(eqn, pure: list[bool], data: frozenset[str]) -> list[int]:
+def typed_axes(data: frozenset[str], typed: bool):
+    """``(eqn, i) -> axes`` of input ``i`` as the plan reads them: from the jaxpr's types (Explicit axes), or,
+    for a loss traced on Auto axes (whose types record no sharding), the data axes for every value still
+    derived from FSDP leaves alone (nothing gathered it: a gather ends the lineage)."""
+    if typed:
+        return lambda eqn, i: _var_axes(eqn.invars[i])
+    return lambda eqn, i: data
+
+
+def gathered_inputs(eqn, pure: list[bool], data: frozenset[str], axes_of) -> list[int]:
     """The inputs of ``eqn`` that are FSDP gathers: values derived from FSDP leaves alone, sharded over the data
-    axes, met by something else (a mixing equation) or resharded off the data axes."""
+    axes, met by something else (a mixing equation) or resharded off the data axes. ``axes_of(eqn, i)``: the
+    mesh axes input ``i`` is sharded over."""
     literal = _compat.literal_type()
     real = [i for i, v in enumerate(eqn.invars) if not isinstance(v, literal)]
     if eqn.primitive.name in GATHERS:
-        v = eqn.invars[0]
         target = eqn.params["dst_sharding"].spec
-        off = data & _var_axes(v) - frozenset(a for e in target.partitions for a in _layout.spec_axes(e))
+        off = data & axes_of(eqn, 0) - frozenset(a for e in target.partitions for a in _layout.spec_axes(e))
         return [0] if pure[0] and off else []
     if all(pure[i] for i in real) and eqn.primitive.name in _TRANSPARENT:
         return []  # a view of the parameter (its cotangent the same numbers): evaluated as traced
-    return [i for i in real if pure[i] and data & _var_axes(eqn.invars[i])]
+    return [i for i in real if pure[i] and data & axes_of(eqn, i)]
 
 
 # Equations of one parameter whose VJP hands the cotangent back unchanged but for layout or dtype: an FSDP leaf
@@ -69,9 +78,10 @@ class Plan:
         return tuple(i for i in fsdp if i not in self.hoist and len(self.sites.get(i, ())) == 1)
 
 
-def walk(jaxpr, lineage: dict[Any, frozenset], data: frozenset[str], plan: Plan, loop: bool = False) -> None:
+def walk(jaxpr, lineage: dict[Any, frozenset], data: frozenset[str], plan: Plan, axes_of, loop: bool = False) -> None:
     """Walk the jaxpr with each variable's FSDP lineage (``lineage[var] = {(leaf, sliced)}``: derived from those
-    leaves alone; ``sliced``: a per-iteration slice of a scanned stack) and record the gathers."""
+    leaves alone; ``sliced``: a per-iteration slice of a scanned stack) and record the gathers (``axes_of``: see
+    :func:`typed_axes`)."""
     literal = _compat.literal_type()
     for eqn in jaxpr.eqns:
         ins = [frozenset() if isinstance(v, literal) else lineage.get(v, frozenset()) for v in eqn.invars]
@@ -83,23 +93,25 @@ def walk(jaxpr, lineage: dict[Any, frozenset], data: frozenset[str], plan: Plan,
             for i, v in enumerate(body.invars):
                 src = ins[i] if i < len(ins) else frozenset()
                 inner[v] = frozenset((leaf, True) for leaf, _ in src) if i >= nc + ncarry else src
-            walk(body, inner, data, plan, loop=True)
+            walk(body, inner, data, plan, axes_of, loop=True)
         elif name in LOOPS or name in CALLS or is_remat(name):
             for sub in subjaxprs(eqn):
                 offset = 1 if name == "cond" else 0
                 inner = {v: ins[i + offset] for i, v in enumerate(sub.invars) if i + offset < len(ins)}
-                walk(sub, inner, data, plan, loop=loop or name == "while")
+                walk(sub, inner, data, plan, axes_of, loop=loop or name == "while")
         else:
             pure = [bool(lin) for lin in ins]
-            for i in gathered_inputs(eqn, pure, data):
+            for i in gathered_inputs(eqn, pure, data, axes_of):
                 for leaf, sliced in ins[i]:
                     plan.sites.setdefault(leaf, set()).add(eqn.invars[i])
                     if loop and not sliced:
                         plan.hoist.add(leaf)  # the same copy gathered on every iteration
+                ins[i] = frozenset()  # gathered: a plain value from here on, as the interpreter sees it
+                pure[i] = False
             real = [i for i, v in enumerate(eqn.invars) if not isinstance(v, literal)]
             if real and not all(pure[i] for i in real):  # a replicated FSDP-derived value meets the batch
                 for i in real:
-                    if pure[i] and not data & _var_axes(eqn.invars[i]):
+                    if pure[i] and not data & axes_of(eqn, i):
                         plan.hoist.update(leaf for leaf, _ in ins[i])
         derived = pure_leaves(eqn, ins, literal)
         for v in eqn.outvars:

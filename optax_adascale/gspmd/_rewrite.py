@@ -133,9 +133,9 @@ class Probed:
             self.closed = jax.make_jaxpr(self._flat_loss(len(plain_leaves), batch_tree))(*avals)
         plan = _plan.Plan()
         jaxpr = self.closed.jaxpr
-        _plan.walk(
-            jaxpr, {jaxpr.invars[i]: frozenset({(i, False)}) for i in self.fsdp}, frozenset(self.layout.data), plan
-        )
+        data = frozenset(self.layout.data)
+        lineage = {jaxpr.invars[i]: frozenset({(i, False)}) for i in self.fsdp}
+        _plan.walk(jaxpr, lineage, data, plan, _plan.typed_axes(data, typed=not self.convert))
         literal = _compat.literal_type()
         if jaxpr.outvars and not isinstance(jaxpr.outvars[0], literal):  # the loss itself from FSDP leaves alone
             plan.hoist.update(i for i in self.fsdp if jaxpr.outvars[0] in jaxpr.invars)
@@ -203,7 +203,8 @@ class Interpreter:
             ins_lin = [frozenset() if isinstance(v, literal) else lin.get(v, frozenset()) for v in eqn.invars]
             name = eqn.primitive.name
             if not (name in _plan.LOOPS or name in _plan.CALLS or _plan.is_remat(name)):
-                for i in _plan.gathered_inputs(eqn, [bool(x) for x in ins_lin], self.data):
+                axes_of = lambda _, i, xs=invals: _layout.axes_of(xs[i])  # noqa: E731 - the values' own types
+                for i in _plan.gathered_inputs(eqn, [bool(x) for x in ins_lin], self.data, axes_of):
                     v = eqn.invars[i]
                     if v not in gathered:
                         gathered[v] = self.gather(invals[i], ins_lin[i])
@@ -254,19 +255,63 @@ class Interpreter:
         try:
             return self.bind(eqn, invals)
         except Exception:  # noqa: BLE001 - JAX has no reduced rule for this equation: the rule its types imply
-            if self.convert and not reduced_in:
-                aligned = _aligned(invals)
-                if aligned is not None:  # Explicit types want same-shape operands sharded alike (select_n)
-                    return self.bind(eqn, aligned)
-            if name == "gather" and self.convert:
-                try:
-                    return self.gather_indexed(eqn, invals)
-                except Exception:  # noqa: BLE001 - a reduced table auto_axes does not take: the implied rule below
-                    if not reduced_in:
-                        raise
+            if self.convert:
+                decided = self.gspmd_decision(eqn, invals, reduced_in)
+                if decided is not None:
+                    return decided[0]
             if not reduced_in:
                 raise
             return _local.local(self, eqn, invals)
+
+    def gspmd_decision(self, eqn, invals, reduced_in: bool):
+        """A loss written for Auto axes, re-evaluated on Explicit ones, where Explicit types ask for a decision GSPMD
+        makes by itself: ``(outputs,)``, or ``None`` if none of GSPMD's applies. In order: same-shape operands
+        sharded alike (``select_n``); a contraction over a dimension both operands shard over a model axis sums
+        its partial products (the output sharded like the operands' free dimensions); any other equation runs on
+        operands gathered off the model axes (the data axes kept: the batch stays the batch); an embedding
+        lookup is sharded like its indices; and an equation of activations alone, failing that, on operands
+        gathered off every axis (across the rows, a sort: the rows gathered, as the Explicit way writes it)."""
+        tries = []
+        if not reduced_in:
+            aligned = _aligned(invals)
+            if aligned is not None:
+                tries.append(lambda: self.bind(eqn, aligned))
+        if eqn.primitive.name == "dot_general":
+            params = dict(eqn.params, out_sharding=self.contraction_sharding(eqn, invals))
+            tries.append(lambda: self.bind(eqn, invals, params))
+        every = frozenset(self.layout.axis_names)
+        model = every - self.data
+        if any(model & _layout.axes_of(x) for x in invals):
+            tries.append(lambda: self.bind(eqn, [_off_axes(x, model) for x in invals]))
+        if eqn.primitive.name == "gather":
+            tries.append(lambda: self.gather_indexed(eqn, invals))
+        if not reduced_in and any(self.data & _layout.axes_of(x) for x in invals):  # across the rows (sort)
+            tries.append(lambda: self.bind(eqn, [_off_axes(x, every) for x in invals]))
+        for attempt in tries:
+            try:
+                return (attempt(),)
+            except Exception:  # noqa: BLE001 - not this decision: the next one
+                continue
+        return None
+
+    def contraction_sharding(self, eqn, invals) -> NamedSharding:
+        """GSPMD's output sharding for a ``dot_general``: batch and free dimensions keep their operands' specs,
+        the contracted axes (and any axis already used) are dropped: the partial products are summed."""
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = (_layout.partitions(x) for x in invals)
+        contracted = {a for d in lc for a in _layout.spec_axes(lhs[d])} | {
+            a for d in rc for a in _layout.spec_axes(rhs[d])
+        }
+        entries = [lhs[d] for d in lb]
+        entries += [lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb]
+        entries += [rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb]
+        used: set[str] = set()
+        out = []
+        for entry in entries:
+            kept = tuple(a for a in _layout.spec_axes(entry) if a not in contracted and a not in used)
+            used.update(kept)
+            out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        return NamedSharding(jax.sharding.get_abstract_mesh(), P(*out))
 
     def call(self, eqn, invals, lineage):
         jaxpr = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
@@ -434,6 +479,16 @@ def _aligned(invals: list[Any]) -> list[Any] | None:
         else x
         for x in invals
     ]
+
+
+def _off_axes(x: Any, axes: frozenset[str]) -> Any:
+    """``x`` gathered off ``axes`` (its ``reduced`` axes kept); anything else as it is."""
+    if not isinstance(x, jax.Array) and not hasattr(x, "aval"):
+        return x
+    if not jnp.ndim(x) or not axes & _layout.axes_of(x):
+        return x
+    parts = tuple(_layout.strip(e, axes) for e in _layout.partitions(x))
+    return jax.reshard(x, P(*parts, reduced=_layout.reduced_axes(x)))
 
 
 def _auto_sharding(v: Any) -> bool:

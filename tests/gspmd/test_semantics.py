@@ -139,9 +139,10 @@ def per_copy_stats(head, k=1):
     }
 
 
-def run(loss, layout, *, k=1, axis_type=AxisType.Explicit, has_aux=False, extra=()):
+def run(loss, layout, *, k=1, axis_type=AxisType.Explicit, has_aux=False, extra=(), specs=False):
     """(drop-in's (value, grads, stats), jax.value_and_grad's) on the same mesh and shardings. With ``k > 1`` the
-    reference is the mean over the k global micro-batches (the j-th block of every shard's rows) of it."""
+    reference is the mean over the k global micro-batches (the j-th block of every shard's rows) of it.
+    ``specs``: pass the layout's specs as ``param_specs`` (how an Auto mesh keeps it)."""
     params, x, tok, y, mask = data()
     mesh = jax.make_mesh((SHARDS, 2), ("data", "model"), axis_types=(axis_type,) * 2)
     blocks = np.arange(B).reshape(SHARDS, k, -1)
@@ -149,9 +150,10 @@ def run(loss, layout, *, k=1, axis_type=AxisType.Explicit, has_aux=False, extra=
         put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
         placed = {name: put(a, LAYOUTS[layout][name]) for name, a in params.items()}
         batch = [put(a, P("data")) for a in (x, tok, y, mask)]
-        ours = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k, has_aux=has_aux))(
-            placed, *batch, *extra
+        fn = optax_adascale.value_and_grad(
+            loss, data_axes="data", num_microbatches=k, has_aux=has_aux, param_specs=LAYOUTS[layout] if specs else None
         )
+        ours = jax.jit(fn)(placed, *batch, *extra)
         reference = jax.jit(jax.value_and_grad(loss, has_aux=has_aux))
         refs = [
             reference(placed, *(put(a[blocks[:, j].ravel()], P("data")) for a in (x, tok, y, mask)), *extra)
@@ -384,14 +386,14 @@ def test_device_put_inside_the_loss_on_an_explicit_mesh():
 @pytest.mark.parametrize("head", ["mean_xent", "token_weighted", "penalty", "batch_norm", "relu_integer_xent"])
 def test_auto_mesh_is_exact_for_the_mean_and_token_weighted_losses(head):
     """MaxText's default is an Auto mesh: there the loss runs with every axis made Explicit (its constraints lose
-    those axes), exact for these losses; the parameters replicated (TP is lost: the warning says so)."""
+    those axes), exact for these losses; without param_specs the parameters are replicated (the warning says so)."""
 
     def loss(p, x, tok, y, mask):
         e = p["emb"][tok]
         h = jax.lax.with_sharding_constraint(jnp.tanh((x + e) @ p["w1"] + p["b1"]), P("data", None))
         return HEADS[head](h @ p["w2"] + p["b2"], y, mask, p)
 
-    with pytest.warns(UserWarning, match=r"tensor parallelism over them is lost"):
+    with pytest.warns(UserWarning, match=r"replicated inside the loss.*Pass their PartitionSpecs as param_specs="):
         (value, grads, stats), (ref_value, ref_grads) = run(loss, "TPxFSDP", axis_type=AxisType.Auto)
     assert_close((value, grads), (ref_value, ref_grads))
     assert_stats(stats, HEADS[head])
@@ -409,21 +411,94 @@ def test_auto_mesh_dropout_is_the_global_call(k):
         h = jnp.where(keep, h / 0.8, 0.0)
         return HEADS["mean_xent"](h @ p["w2"] + p["b2"], y, mask, p)
 
-    with pytest.warns(UserWarning, match=r"tensor parallelism over them is lost"):
-        (value, grads, stats), (ref_value, ref_grads) = run(
-            loss, "TP", k=k, axis_type=AxisType.Auto, extra=(jax.random.key(7),)
-        )
+    (value, grads, stats), (ref_value, ref_grads) = run(
+        loss, "TP", k=k, axis_type=AxisType.Auto, extra=(jax.random.key(7),), specs=True
+    )
     assert_close((value, grads), (ref_value, ref_grads))
     assert stats.num_microbatches == SHARDS * k and all(np.isfinite(float(v)) for v in jax.tree.leaves(stats.sq_norms))
 
 
-@pytest.mark.parametrize("head", ["in_batch_negatives", "sort"])
-def test_auto_mesh_refuses_a_loss_it_cannot_run_exactly_and_names_the_explicit_mesh(head):
-    def loss(p, x, tok, y, mask):
-        out = jnp.tanh((x + p["emb"][tok]) @ p["w1"] + p["b1"]) @ p["w2"]
-        if head == "sort":
-            return jnp.sum(jnp.sort(out[:, 0]) * jnp.linspace(-1.0, 1.0, out.shape[0]))
-        return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(out @ out.T, axis=1)))
+def auto_loss(head):
+    """The model written for Auto axes: no annotation at all (GSPMD decides every sharding)."""
 
-    with pytest.raises(ValueError, match=r"Auto axes.*Explicit axes \(jax\.make_mesh's default\)"):
-        run(loss, "replicated", axis_type=AxisType.Auto)
+    def loss(p, x, tok, y, mask):
+        h = jnp.tanh((x + p["emb"][tok]) @ p["w1"] + p["b1"])
+        return HEADS[head](h @ p["w2"] + p["b2"], y, mask, p)
+
+    return loss
+
+
+@pytest.mark.parametrize("layout", ["TP", "FSDP", "TPxFSDP"])
+@pytest.mark.parametrize("head", ["mean_xent", "token_weighted", "penalty", "batch_norm"])
+def test_auto_mesh_with_param_specs_keeps_the_layout_and_is_exact(head, layout, recwarn):
+    """param_specs lay the parameters out inside the loss as the user placed them (an Auto mesh does not record
+    it): FSDP weights are gathered at their use, the TP contraction sums its partial products, as GSPMD does.
+    Value and grads are jax.value_and_grad's on the same Auto mesh, the statistics the per-copy ones."""
+    (value, grads, stats), (ref_value, ref_grads) = run(auto_loss(head), layout, axis_type=AxisType.Auto, specs=True)
+    assert_close((value, grads), (ref_value, ref_grads))
+    assert_stats(stats, HEADS[head])
+    assert not [w for w in recwarn if "param_specs" in str(w.message)]
+
+
+def test_auto_mesh_with_param_specs_and_micro_batches_is_exact():
+    (value, grads, stats), (ref_value, ref_grads) = run(
+        auto_loss("token_weighted"), "TPxFSDP", k=2, axis_type=AxisType.Auto, specs=True
+    )
+    assert_close((value, grads), (ref_value, ref_grads))
+    assert_stats(stats, HEADS["token_weighted"], k=2)
+
+
+def test_param_specs_that_disagree_with_an_explicit_mesh_are_refused():
+    with pytest.raises(ValueError, match=r"param_specs: leaf .* typed .* but param_specs says"):
+        fn = optax_adascale.value_and_grad(global_loss(HEADS["mean_xent"]), data_axes="data")
+        params, x, tok, y, mask = data()
+        mesh = jax.make_mesh((SHARDS, 2), ("data", "model"))
+        with jax.set_mesh(mesh):
+            placed = {n: jax.device_put(a, NamedSharding(mesh, LAYOUTS["TP"][n])) for n, a in params.items()}
+            batch = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, tok, y, mask)]
+            fn = optax_adascale.value_and_grad(
+                global_loss(HEADS["mean_xent"]), data_axes="data", param_specs=LAYOUTS["FSDP"]
+            )
+            jax.jit(fn)(placed, *batch)
+
+
+def test_param_specs_not_shaped_like_the_params_are_refused():
+    params, x, tok, y, mask = data()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(SHARDS, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        batch = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, tok, y, mask)]
+        fn = optax_adascale.value_and_grad(auto_loss("mean_xent"), data_axes="data", param_specs={"w1": P()})
+        with pytest.raises(ValueError, match=r"param_specs must be a pytree like params"):
+            jax.jit(fn)(params, *batch)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "TPxFSDP"])
+@pytest.mark.parametrize("head", ["in_batch_negatives", "sort", "top_k", "cumsum", "logsumexp"])
+def test_auto_mesh_takes_gspmds_decisions_for_losses_that_couple_the_rows(head, layout):
+    """Written for Auto axes, a loss across the rows (in-batch negatives, sort, top-k, cumsum) meets Explicit types
+    that ask where the rows go: the drop-in gathers them, as GSPMD does (and as the Explicit way writes it);
+    value, grads and the per-copy statistics are exact."""
+    (value, grads, stats), (ref_value, ref_grads) = run(auto_loss(head), layout, axis_type=AxisType.Auto, specs=True)
+    assert_close((value, grads), (ref_value, ref_grads))
+    assert_stats(stats, HEADS[head])
+
+
+def test_auto_mesh_keeps_a_custom_rule_on_an_fsdp_weight():
+    """A custom rule (not the derivative) on an FSDP weight, on an Auto mesh: the loss's own gradient, rule
+    included, and the per-copy statistics with the rule applied to each copy."""
+
+    @jax.custom_vjp
+    def scaled(w):
+        return w
+
+    scaled.defvjp(lambda w: (w, None), lambda _, g: (3.0 * g,))
+
+    def loss(p, x, tok, y, mask):
+        return auto_loss("mean_xent")(dict(p, w2=scaled(p["w2"])), x, tok, y, mask)
+
+    (value, grads, stats), (ref_value, ref_grads) = run(loss, "TPxFSDP", axis_type=AxisType.Auto, specs=True)
+    assert_close((value, grads), (ref_value, ref_grads))
+    expected = per_copy_stats(HEADS["mean_xent"])
+    assert float(stats.sq_norms["w2"]) == pytest.approx(9 * expected["w2"], rel=2e-5)
+    for name in ("emb", "w1", "b1", "b2"):
+        assert float(stats.sq_norms[name]) == pytest.approx(expected[name], rel=2e-5), name
