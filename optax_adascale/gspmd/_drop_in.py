@@ -44,6 +44,7 @@ def value_and_grad(
     has_aux: bool = False,
     mesh: Any = None,
     param_specs: Any = None,
+    arg_specs: Any = None,
     unroll: int | bool = 1,
 ) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
     """``jax.value_and_grad`` of the loss as written, plus the statistics AdaScale needs: ``(value, grads, stats)``.
@@ -106,6 +107,12 @@ def value_and_grad(
         Auto axes the parameters keep this layout inside the loss (an Auto
         mesh does not record it in their types). On Explicit axes the types
         say it; specs given there must agree with them.
+      arg_specs: the same for the other arguments (a pytree prefix of
+        ``args``), on a mesh with Auto axes: a leaf sharded over ``data_axes``
+        on its first dimension is the batch, any other is passed whole. Without
+        it every argument whose first dimension ``shards × k`` divide is the
+        batch, and arguments with different such first dimensions are refused
+        (``ValueError``: which is the batch is then ambiguous).
       unroll: passed to the micro-batch ``lax.scan`` (``True`` trades compile time
         and memory for speed where loop bodies run slowly, e.g. XLA:CPU convolutions).
 
@@ -150,7 +157,8 @@ def value_and_grad(
                 return _one_shard(loss_fn, has_aux, layout, params, args, unroll)
             convert = _layout.auto_axes(the_mesh)
             if convert:
-                return _converted(loss_fn, has_aux, layout, the_mesh, convert, specs, params, args, unroll)
+                batch = _batch_specs(layout, args, arg_specs)
+                return _converted(loss_fn, has_aux, layout, the_mesh, convert, specs, batch, params, args, unroll)
             if specs is not None:
                 _layout.check_specs_agree(specs, params)
             return _global(loss_fn, has_aux, layout, params, args, unroll=unroll)
@@ -296,13 +304,15 @@ def _one_shard(loss_fn, has_aux, layout: Layout, params, args, unroll=1):
 # --------------------------------------------------------------------------- Auto axes
 
 
-def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...], specs, params, args, unroll=1):
+def _converted(
+    loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...], specs, arg_specs, params, args, unroll=1
+):
     """The Auto axes made Explicit for the loss, which is traced once on the Auto mesh.
 
     Reduced/unreduced types are only sound with every mesh axis Explicit (JAX 0.10 asserts it; on 0.12 a
     mesh with Auto axes left gives wrong partials), so every Auto axis is converted. Inside, the parameters
-    are laid out by ``specs`` (``param_specs``; replicated without them, with a warning) and every argument
-    leaf whose first dimension the data shards divide is sharded over the data axes (the batch); the loss's
+    are laid out by ``specs`` (``param_specs``; replicated without them, with a warning) and the arguments by
+    ``arg_specs`` (:func:`_batch_specs`: the batch sharded over the data axes); the loss's
     jaxpr is re-evaluated there with those axes dropped from its ``with_sharding_constraint``\\ s, and the
     decisions Explicit types ask for made as GSPMD makes them (``_rewrite``).
     """
@@ -323,9 +333,6 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...],
                 "mesh with Explicit axes (jax.make_mesh's default)."
             )
     flat, tree = jax.tree.flatten(args)
-    shards = layout.shards
-    row_spec = P(layout.data_spec)
-    arg_specs = [row_spec if jnp.ndim(x) and x.shape[0] % shards == 0 else P() for x in flat]
     n_leaves = len(leaves)
     out_tree = []
 
@@ -358,6 +365,30 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...],
 
     converted = jax.sharding.explicit_axes(inner, axes=convert, in_sharding=(list(specs), arg_specs))
     return converted(leaves, flat)
+
+
+def _batch_specs(layout: Layout, args: tuple[Any, ...], given: Any) -> list[P]:
+    """Each argument leaf's spec inside the loss on an Auto mesh (whose types do not record it): ``arg_specs``, or
+    the batch inferred (every leaf whose first dimension ``shards × k`` divide), refused where ambiguous."""
+    flat, tree = jax.tree.flatten(args)
+    if given is not None:
+        return _layout.specs_like(given, args, layout, "arg_specs")
+    is_key = lambda x: jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)  # noqa: E731
+    rows = [
+        i
+        for i, x in enumerate(flat)
+        if jnp.ndim(x) and not is_key(x) and jnp.shape(x)[0] % (layout.shards * layout.k) == 0
+    ]
+    sizes = sorted({flat[i].shape[0] for i in rows})
+    if len(sizes) > 1:
+        raise ValueError(
+            f"value_and_grad(data_axes={layout.data_spec!r}) on a mesh with Auto axes cannot tell which arguments "
+            f"are the batch: the mesh does not record how they are sharded, and arguments with first dimensions "
+            f"{sizes} could each be its rows. Pass arg_specs= (a pytree prefix of the arguments after params: "
+            f"P({layout.data_spec!r}) for the batch, P() for an argument passed whole; MaxText: the data sharding), "
+            "or use a mesh with Explicit axes (jax.make_mesh's default)."
+        )
+    return [P(layout.data_spec) if i in rows else P() for i in range(len(flat))]
 
 
 def _auto_refusal(layout: Layout, convert, err) -> str:

@@ -130,20 +130,20 @@ class Layout:
         return P(*self.axis_names)
 
 
-def param_specs_like(param_specs: Any, params: Any, layout: Layout) -> list[P] | None:
-    """``param_specs`` (``PartitionSpec``\\ s or ``NamedSharding``\\ s, a pytree like ``params``) as one spec per
-    leaf, checked against the mesh; ``None`` if not given."""
-    if param_specs is None:
-        return None
+def specs_like(given: Any, tree: Any, layout: Layout, name: str = "param_specs") -> list[P]:
+    """``given`` (``PartitionSpec``\\ s or ``NamedSharding``\\ s, a pytree prefix of ``tree``) as one spec per leaf
+    of ``tree``, checked against the mesh and the leaves' ranks."""
     is_spec = lambda x: x is None or isinstance(x, (P, jax.sharding.NamedSharding))  # noqa: E731
-    leaves, treedef = jax.tree.flatten(params)
+    leaves, treedef = jax.tree.flatten(tree)
     try:
-        flat = treedef.flatten_up_to(param_specs)
+        per_leaf = jax.tree.map(lambda s, sub: [s] * len(jax.tree.leaves(sub)), given, tree, is_leaf=is_spec)
+        flat = [s for group in jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for s in group]
     except (ValueError, TypeError) as err:
-        spec_tree = jax.tree.structure(param_specs, is_leaf=is_spec)
+        spec_tree = jax.tree.structure(given, is_leaf=is_spec)
+        what = "params" if name == "param_specs" else "the arguments after params"
         raise ValueError(
-            f"param_specs must be a pytree like params with one PartitionSpec per leaf: got {spec_tree} for params "
-            f"{treedef}."
+            f"{name} must be a pytree like {what} with one PartitionSpec per leaf (or per subtree): got {spec_tree} "
+            f"for {treedef}."
         ) from err
     out = []
     for x, spec in zip(leaves, flat, strict=True):
@@ -152,16 +152,21 @@ def param_specs_like(param_specs: Any, params: Any, layout: Layout) -> list[P] |
         if spec is None:
             spec = P()
         if not isinstance(spec, P):
-            raise TypeError(f"param_specs leaves must be PartitionSpecs or NamedShardings, got {spec!r}")
+            raise TypeError(f"{name} leaves must be PartitionSpecs or NamedShardings, got {spec!r}")
         parts = tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
         unknown = [a for e in parts for a in spec_axes(e) if a not in layout.axis_names]
         if len(parts) > jnp.ndim(x) or unknown:
             raise ValueError(
-                f"param_specs: {spec} does not fit a parameter of shape {tuple(jnp.shape(x))} on the mesh with axes "
+                f"{name}: {spec} does not fit an array of shape {tuple(jnp.shape(x))} on the mesh with axes "
                 f"{layout.axis_names}."
             )
         out.append(P(*parts))
     return out
+
+
+def param_specs_like(param_specs: Any, params: Any, layout: Layout) -> list[P] | None:
+    """``param_specs`` as one spec per leaf of ``params``; ``None`` if not given."""
+    return None if param_specs is None else specs_like(param_specs, params, layout)
 
 
 def check_specs_agree(specs: list[P], params: Any) -> None:

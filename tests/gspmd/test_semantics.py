@@ -139,7 +139,7 @@ def per_copy_stats(head, k=1):
     }
 
 
-def run(loss, layout, *, k=1, axis_type=AxisType.Explicit, has_aux=False, extra=(), specs=False):
+def run(loss, layout, *, k=1, axis_type=AxisType.Explicit, has_aux=False, extra=(), specs=False, arg_specs=None):
     """(drop-in's (value, grads, stats), jax.value_and_grad's) on the same mesh and shardings. With ``k > 1`` the
     reference is the mean over the k global micro-batches (the j-th block of every shard's rows) of it.
     ``specs``: pass the layout's specs as ``param_specs`` (how an Auto mesh keeps it)."""
@@ -151,7 +151,12 @@ def run(loss, layout, *, k=1, axis_type=AxisType.Explicit, has_aux=False, extra=
         placed = {name: put(a, LAYOUTS[layout][name]) for name, a in params.items()}
         batch = [put(a, P("data")) for a in (x, tok, y, mask)]
         fn = optax_adascale.value_and_grad(
-            loss, data_axes="data", num_microbatches=k, has_aux=has_aux, param_specs=LAYOUTS[layout] if specs else None
+            loss,
+            data_axes="data",
+            num_microbatches=k,
+            has_aux=has_aux,
+            param_specs=LAYOUTS[layout] if specs else None,
+            arg_specs=arg_specs,
         )
         ours = jax.jit(fn)(placed, *batch, *extra)
         reference = jax.jit(jax.value_and_grad(loss, has_aux=has_aux))
@@ -446,6 +451,30 @@ def test_auto_mesh_with_param_specs_and_micro_batches_is_exact():
     )
     assert_close((value, grads), (ref_value, ref_grads))
     assert_stats(stats, HEADS["token_weighted"], k=2)
+
+
+def weighted_loss(p, x, tok, y, mask, class_weights):
+    """Written for Auto axes, with a replicated argument whose first dimension the shards divide (per-class
+    weights): it is not the batch."""
+    h = jnp.tanh((x + p["emb"][tok]) @ p["w1"] + p["b1"])
+    xent = optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], y)
+    return jnp.mean(xent * class_weights[y])
+
+
+def test_auto_mesh_refuses_to_guess_which_argument_is_the_batch():
+    weights = jnp.arange(1.0, 2 * C + 1.0)  # 8 (room for more classes): shards × k = 8 divide it, as the batch's 32
+    with pytest.raises(ValueError, match=r"cannot tell which arguments are the batch.*\[8, 32\].*arg_specs="):
+        run(weighted_loss, "TP", k=2, axis_type=AxisType.Auto, specs=True, extra=(weights,))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_auto_mesh_arg_specs_say_which_argument_is_the_batch(k):
+    weights = jnp.arange(1.0, 2 * C + 1.0)
+    arg_specs = (P("data"), P("data"), P("data"), P("data"), P())
+    (value, grads, _), (ref_value, ref_grads) = run(
+        weighted_loss, "TP", k=k, axis_type=AxisType.Auto, specs=True, extra=(weights,), arg_specs=arg_specs
+    )
+    assert_close((value, grads), (ref_value, ref_grads))
 
 
 def test_param_specs_that_disagree_with_an_explicit_mesh_are_refused():
