@@ -33,7 +33,12 @@ def value_and_microbatch_grad(
 
 
 def per_replica(
-    loss_fn: Callable[..., Any], num_microbatches: int, *, has_aux: bool = False, unroll: int | bool = 1
+    loss_fn: Callable[..., Any],
+    num_microbatches: int,
+    *,
+    has_aux: bool = False,
+    unroll: int | bool = 1,
+    threaded: bool = False,
 ) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
     """Like ``jax.value_and_grad``, over ``k`` micro-batches with ``lax.scan``.
 
@@ -70,9 +75,14 @@ def per_replica(
       unroll: passed to ``lax.scan``. ``True`` trades compile time and memory
         for speed where the backend runs loop bodies slowly (XLA:CPU
         convolutions inside a loop run much slower than unrolled).
+      threaded: the function takes ``(params, state, *batch)`` and returns
+        ``(loss, (aux, new_state))``: ``state`` is not split, micro-batch ``j``
+        gets micro-batch ``j − 1``'s new state, and ``value`` carries the last
+        one (``(loss, (aux, new_state))``).
 
     Returns:
-      A function ``(params, *batch) -> (value, grads, stats)``.
+      A function ``(params, *batch) -> (value, grads, stats)`` (``(params, state,
+      *batch)`` when ``threaded``).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -93,24 +103,31 @@ def per_replica(
         return x.reshape((k, x.shape[0] // k) + x.shape[1:])
 
     def fn(params, *batch):
+        state, batch = (batch[0], batch[1:]) if threaded else (None, batch)
         micro = jax.tree.map(split, batch)
 
         def body(carry, mb):
-            grad_sum, sq_sum = carry
-            value, grads = grad_fn(params, *mb)
+            grad_sum, sq_sum, state = carry
+            value, grads = grad_fn(params, *((state,) if threaded else ()), *mb)
+            if threaded:  # (loss, (aux, new_state)): the new state goes to the next micro-batch
+                loss, (aux, new_state) = value
+                value = (loss, aux)
+                state = jax.tree.map(
+                    lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype), new_state, state
+                )
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
             sq_sum = jax.tree.map(lambda s, g: s + leaf_sq_norm(g), sq_sum, grads)
-            return (grad_sum, sq_sum), value
+            return (grad_sum, sq_sum, state), value
 
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params)
         sq0 = jax.tree.map(lambda p: jnp.zeros((), STAT_DTYPE), params)
-        carry0 = (match_varying(grads0, params), match_varying(sq0, params))
-        (grad_sum, sq_sum), values = lax.scan(body, carry0, micro, unroll=unroll)
+        carry0 = (match_varying(grads0, params), match_varying(sq0, params), state)
+        (grad_sum, sq_sum, state), values = lax.scan(body, carry0, micro, unroll=unroll)
         grads = jax.tree.map(lambda s, p: (s / k).astype(p.dtype), grad_sum, params)
         sq_norms = jax.tree.map(lambda s: s / k, sq_sum)
         if has_aux:
             losses, aux = values
-            value = (jnp.mean(losses), aux)
+            value = (jnp.mean(losses), (aux, state) if threaded else aux)
         else:
             value = jnp.mean(values)
         return value, grads, MicrobatchStats(sq_norms, k)

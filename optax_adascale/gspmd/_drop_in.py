@@ -27,17 +27,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale.core import _checks, _microbatch
 from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.gspmd import _layout, _mesh, _rewrite, _split
+from optax_adascale.gspmd._call import Call, broadcast
 from optax_adascale.gspmd._layout import Layout
 
 
 def value_and_grad(
     loss_fn: Callable[..., Any],
+    argnums: int | tuple[int, ...] = 0,
     *,
     data_axes: str | tuple[str, ...] | None = None,
     num_microbatches: int = 1,
@@ -45,6 +47,7 @@ def value_and_grad(
     mesh: Any = None,
     param_specs: Any = None,
     arg_specs: Any = None,
+    state_argnum: int | None = None,
     unroll: int | bool = 1,
 ) -> Callable[..., tuple[Any, Any, MicrobatchStats]]:
     """``jax.value_and_grad`` of the loss as written, plus the statistics AdaScale needs: ``(value, grads, stats)``.
@@ -74,11 +77,14 @@ def value_and_grad(
       (micro-batch ``j`` is the ``j``-th contiguous block of every data shard's
       rows: the leaves of the arguments sharded over the data axes on their first
       dimension are split, every other argument goes to each micro-batch whole);
-      ``value``, ``grads`` and floating ``aux`` are the mean over the micro-batches
-      of ``jax.value_and_grad`` on each, integer ``aux`` the sum, boolean ``aux``
-      any, PRNG-key ``aux`` the last micro-batch's. The samples are
-      ``shards × k``; the partial gradients accumulate unreduced and are reduced
-      once, after the loop.
+      ``value`` and ``grads`` are the mean over the micro-batches of
+      ``jax.value_and_grad`` on each. ``aux``, leaf by leaf: floating the mean,
+      integer the sum (counts), boolean any (flags), PRNG keys the last
+      micro-batch's; state the loss advances (RNG counters, running statistics)
+      is threaded when ``state_argnum`` names it, as the user's own
+      accumulation threads it, and the last micro-batch's is returned. The
+      samples are ``shards × k``; the partial gradients accumulate unreduced and
+      are reduced once, after the loop.
     - Meshes: Explicit axes (``jax.make_mesh``'s default) for every layout
       (replicated, tensor-parallel, FSDP, stacked scanned layers, remat). Auto
       axes (``jax.sharding.Mesh``'s default, MaxText's ``shard_mode=auto``): the
@@ -98,6 +104,10 @@ def value_and_grad(
 
     Args:
       loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)``).
+      argnums: which positional arguments to differentiate, as
+        ``jax.value_and_grad`` takes it (a tuple gives a tuple of gradients and
+        of statistics). Arguments that are not arrays (a config object, Python
+        numbers) are passed to ``loss_fn`` as they are.
       data_axes: mesh axis name(s) the batch is sharded over, or ``None``.
       num_microbatches: ``k ≥ 1`` micro-batches per step (per replica).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
@@ -107,17 +117,27 @@ def value_and_grad(
         Auto axes the parameters keep this layout inside the loss (an Auto
         mesh does not record it in their types). On Explicit axes the types
         say it; specs given there must agree with them.
-      arg_specs: the same for the other arguments (a pytree prefix of
-        ``args``), on a mesh with Auto axes: a leaf sharded over ``data_axes``
+      arg_specs: the same for the arguments that are not differentiated, on a
+        mesh with Auto axes: one entry per such argument, in order (a
+        ``PartitionSpec`` or a pytree prefix of the argument), or one spec for
+        all, as ``shard_map``'s ``in_specs``. A leaf sharded over ``data_axes``
         on its first dimension is the batch, any other is passed whole. Without
-        it every argument whose first dimension ``shards × k`` divide is the
-        batch, and arguments with different such first dimensions are refused
+        it every array whose first dimension ``shards × k`` divide is the batch,
+        and arrays with different such first dimensions are refused
         (``ValueError``: which is the batch is then ambiguous).
+      state_argnum: the positional argument holding state ``loss_fn`` advances
+        (NNX's RNG counters, batch-norm statistics), or ``None``. ``loss_fn`` then
+        returns ``(loss, (aux, new_state))`` (``has_aux=True``), ``new_state``
+        shaped like that argument; with ``k`` micro-batches micro-batch ``j``
+        starts from micro-batch ``j − 1``'s new state and the last one is
+        returned. Not differentiated.
       unroll: passed to the micro-batch ``lax.scan`` (``True`` trades compile time
         and memory for speed where loop bodies run slowly, e.g. XLA:CPU convolutions).
 
     Returns:
-      ``fn(params, *args) -> (value, grads, stats)``.
+      ``fn(*args) -> (value, grads, stats)``; ``grads`` and ``stats.sq_norms``
+      shaped like the arguments ``argnums`` names (``fn(params, *args)`` for the
+      default ``argnums=0``).
 
     Raises:
       ValueError: ``data_axes`` not in the mesh, or not an axis the batch is
@@ -138,11 +158,15 @@ def value_and_grad(
     """
     _checks.check_static_int("num_microbatches", num_microbatches)
     _checks.check_bool("has_aux", has_aux)
+    call = Call.of(argnums, state_argnum, has_aux)
     if data_axes is None:
-        return _per_replica(loss_fn, num_microbatches, has_aux, mesh, unroll)
+        return _per_replica(loss_fn, call, num_microbatches, has_aux, mesh, unroll)
     names = _mesh.data_axis_names(data_axes)
 
-    def fn(params, *args):
+    def fn(*args):
+        inner, params, state, arrays = call.bind(loss_fn, args)
+        inner_args = (state, *arrays)
+        n_state = len(jax.tree.leaves(state))
         the_mesh = _mesh.resolve_mesh(mesh, names)
         layout = Layout.of(the_mesh, names, num_microbatches, mesh)
         specs = _layout.param_specs_like(param_specs, params, layout)
@@ -154,27 +178,37 @@ def value_and_grad(
             )
         with _mesh_context(the_mesh, mesh):
             if layout.shards == 1:  # one data shard: no copies to tell apart, the k micro-batches are the samples
-                return _one_shard(loss_fn, has_aux, layout, params, args, unroll)
+                return _one_shard(inner, has_aux, layout, params, inner_args, unroll, n_state)
             convert = _layout.auto_axes(the_mesh)
             if convert:
-                batch = _batch_specs(layout, args, arg_specs)
-                return _converted(loss_fn, has_aux, layout, the_mesh, convert, specs, batch, params, args, unroll)
+                batch = _batch_specs(layout, state, arrays, call.arg_specs(arg_specs, args))
+                return _converted(
+                    inner, has_aux, layout, the_mesh, convert, specs, batch, params, inner_args, unroll, n_state
+                )
             if specs is not None:
                 _layout.check_specs_agree(specs, params)
-            return _global(loss_fn, has_aux, layout, params, args, unroll=unroll)
+            return _global(inner, has_aux, layout, params, inner_args, unroll=unroll, n_state=n_state)
 
     return fn
 
 
-def _per_replica(loss_fn, k, has_aux, mesh, unroll):
-    per_replica = _microbatch.per_replica(loss_fn, k, has_aux=has_aux, unroll=unroll)
+def _per_replica(loss_fn, call, k, has_aux, mesh, unroll):
+    threaded = call.state_argnum is not None
 
-    def fn(params, *batch):
-        _mesh.check_replica_axis_bound(mesh, (params, batch))
-        value, grads, stats = per_replica(params, *batch)
+    def fn(*args):
+        inner, params, state, arrays = call.bind(loss_fn, args)
+        _mesh.check_replica_axis_bound(mesh, (params, arrays))
+        if threaded:
+            per_replica = _microbatch.per_replica(inner, k, has_aux=has_aux, unroll=unroll, threaded=True)
+            value, grads, stats = per_replica(params, state, *arrays)
+        else:
+            per_replica = _microbatch.per_replica(lambda p, *xs: inner(p, None, *xs), k, has_aux=has_aux, unroll=unroll)
+            value, grads, stats = per_replica(params, *arrays)
         if has_aux:  # stacked over the k micro-batches: combined as for the global batch
             loss, aux = value
-            value = (loss, jax.tree.map(_split.combine, aux))
+            aux, new_state = aux if threaded else (aux, None)
+            aux = jax.tree.map(_split.combine, aux)
+            value = (loss, (aux, new_state) if threaded else aux)
         return value, grads, stats
 
     return fn
@@ -207,7 +241,9 @@ def _leaf(layout: Layout, p: Any) -> _Leaf:
     return _Leaf(P(*parts), split, bool(split & set(layout.data)))
 
 
-def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, ...] = (), trace=None, unroll=1):
+def _global(
+    loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, ...] = (), trace=None, unroll=1, n_state=0
+):
     """``(value, grads, stats)`` with the data axes Explicit: reduced params, unreduced partials, one reduction."""
     leaves, treedef = jax.tree.flatten(params)
     info = [_leaf(layout, p) for p in leaves]
@@ -216,7 +252,7 @@ def _global(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, 
     fsdp = tuple(i for i, leaf in enumerate(info) if leaf.fsdp)
     cast = [p if leaf.fsdp else jax.reshard(p, P(*leaf.spec.partitions, reduced=data)) for p, leaf in zip(leaves, info)]
     loss = _rewrite.Probed(loss_fn, treedef, fsdp, layout, convert, has_aux, trace)
-    split = _split.Split.of(layout, args)
+    split = _split.Split.of(layout, args, n_state)
     loss.prepare(leaves, args if layout.k == 1 else split.first_avals())
     entry = loss.entry(cast)
 
@@ -273,7 +309,7 @@ def _check_batch_sharded(layout: Layout, args: Any) -> None:
     )
 
 
-def _one_shard(loss_fn, has_aux, layout: Layout, params, args, unroll=1):
+def _one_shard(loss_fn, has_aux, layout: Layout, params, args, unroll=1, n_state=0):
     """A single data shard: ``jax.value_and_grad`` per micro-batch, each micro-batch's gradient a sample."""
     _check_batch_sharded(layout, args)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
@@ -282,21 +318,20 @@ def _one_shard(loss_fn, has_aux, layout: Layout, params, args, unroll=1):
         value, grads = grad_fn(params, *args)
         sqs = jax.tree.map(sq, grads)
         return value, grads, MicrobatchStats(sqs, 1, mean_sq_norms=sqs)
-    split = _split.Split.of(layout, args)
+    split = _split.Split.of(layout, args, n_state)
 
-    def body(carry, micro):
+    def step(batch, carry):
         acc, sq_acc = carry
-        value, grads = grad_fn(params, *split.batch(micro))
+        value, grads = grad_fn(params, *batch)
         acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
-        return (acc, jax.tree.map(lambda s, g: s + sq(g), sq_acc, grads)), value
+        return (acc, jax.tree.map(lambda s, g: s + sq(g), sq_acc, grads)), (value if has_aux else (value, None))
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
     sq_zeros = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params)
-    xs = [split.micro(split.flat[i]) for i in split.rows]
-    (acc, sq_acc), values = lax.scan(body, (zeros, sq_zeros), xs, unroll=unroll)
+    (acc, sq_acc), (values, auxes), state = split.loop(step, (zeros, sq_zeros), unroll)
     k = layout.k
     grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-    value = (jnp.mean(values[0]), jax.tree.map(_split.combine, values[1])) if has_aux else jnp.mean(values)
+    value = (jnp.mean(values), split.aux(auxes, state)) if has_aux else jnp.mean(values)
     stats = MicrobatchStats(jax.tree.map(lambda s: s / k, sq_acc), k, mean_sq_norms=jax.tree.map(sq, grads))
     return value, grads, stats
 
@@ -304,9 +339,7 @@ def _one_shard(loss_fn, has_aux, layout: Layout, params, args, unroll=1):
 # --------------------------------------------------------------------------- Auto axes
 
 
-def _converted(
-    loss_fn, has_aux, layout: Layout, mesh, convert: tuple[str, ...], specs, arg_specs, params, args, unroll=1
-):
+def _converted(loss_fn, has_aux, layout: Layout, mesh, convert, specs, arg_specs, params, args, unroll=1, n_state=0):
     """The Auto axes made Explicit for the loss, which is traced once on the Auto mesh.
 
     Reduced/unreduced types are only sound with every mesh axis Explicit (JAX 0.10 asserts it; on 0.12 a
@@ -342,53 +375,63 @@ def _converted(
         out_tree.append(t)
         return flat_out
 
-    traced: dict[Any, Any] = {}
+    # The loss traced here, on the Auto mesh as the user set it, at the shapes it runs at (one micro-batch's).
+    # What it closes over from the enclosing jit (outer tracers, typed on the Auto mesh) goes in with the
+    # arguments, so that inside it is typed on the Explicit mesh too.
+    rows = [
+        i for i, spec in enumerate(arg_specs) if set(layout.data) & set(_layout.spec_axes(spec[0] if spec else None))
+    ]
+    micro = [
+        jax.ShapeDtypeStruct(((x.shape[0] // layout.k,) + x.shape[1:]) if i in rows else jnp.shape(x), x.dtype)
+        for i, x in enumerate(flat)
+    ]
+    plain = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+        closed = jax.make_jaxpr(flat_loss)(*plain, *micro)
+    outer = [i for i, c in enumerate(closed.consts) if isinstance(c, jax.core.Tracer)]
 
-    def trace(plain_leaves, batch_leaves, batch_tree):
-        """The loss's jaxpr at these shapes, traced on the mesh as the user set it (Auto axes)."""
-        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in [*plain_leaves, *batch_leaves])
-        if shapes not in traced:
-            avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [*plain_leaves, *batch_leaves]]
-            with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
-                traced[shapes] = jax.make_jaxpr(flat_loss)(*avals)
-        return traced[shapes], out_tree[-1]
-
-    def inner(leaves, flat):
+    def inner(leaves, flat, captured):
+        consts = list(closed.consts)
+        for i, c in zip(outer, captured, strict=True):
+            consts[i] = c
+        trace = lambda *_: (ClosedJaxpr(closed.jaxpr, consts), out_tree[-1])  # noqa: E731
         try:
-            return _global(
-                loss_fn, has_aux, layout, treedef.unflatten(leaves), tree.unflatten(flat), convert, trace, unroll
-            )
+            params_in, args_in = treedef.unflatten(leaves), tree.unflatten(flat)
+            return _global(loss_fn, has_aux, layout, params_in, args_in, convert, trace, unroll, n_state)
         except ValueError:
             raise
         except Exception as err:  # noqa: BLE001 - JAX's own error, where a loss written for Auto axes meets Explicit ones
             raise ValueError(_auto_refusal(layout, convert, err)) from err
 
-    converted = jax.sharding.explicit_axes(inner, axes=convert, in_sharding=(list(specs), arg_specs))
-    return converted(leaves, flat)
+    captured = [closed.consts[i] for i in outer]
+    in_sharding = (list(specs), arg_specs, [P()] * len(captured))
+    converted = jax.sharding.explicit_axes(inner, axes=convert, in_sharding=in_sharding)
+    return converted(leaves, flat, captured)
 
 
-def _batch_specs(layout: Layout, args: tuple[Any, ...], given: Any) -> list[P]:
-    """Each argument leaf's spec inside the loss on an Auto mesh (whose types do not record it): ``arg_specs``, or
-    the batch inferred (every leaf whose first dimension ``shards × k`` divide), refused where ambiguous."""
-    flat, tree = jax.tree.flatten(args)
+def _batch_specs(layout: Layout, state: Any, arrays: list[Any], given: Any) -> list[P]:
+    """Each argument leaf's spec inside the loss on an Auto mesh (whose types do not record it), the state's leaves
+    first: ``arg_specs`` (:meth:`Call.arg_specs`), or the batch inferred (every array whose first dimension
+    ``shards × k`` divide; state replicated), refused where ambiguous."""
+    state_leaves = jax.tree.leaves(state)
     if given is not None:
-        return _layout.specs_like(given, args, layout, "arg_specs")
+        state_spec, array_specs = given
+        state_specs = [P()] * len(state_leaves) if state_spec is None else broadcast(state_spec, state)
+        per_leaf = state_specs + list(array_specs)
+        return _layout.specs_like(per_leaf, [*state_leaves, *arrays], layout, "arg_specs")
     is_key = lambda x: jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)  # noqa: E731
-    rows = [
-        i
-        for i, x in enumerate(flat)
-        if jnp.ndim(x) and not is_key(x) and jnp.shape(x)[0] % (layout.shards * layout.k) == 0
-    ]
-    sizes = sorted({flat[i].shape[0] for i in rows})
+    n = layout.shards * layout.k
+    rows = [i for i, x in enumerate(arrays) if jnp.ndim(x) and not is_key(x) and jnp.shape(x)[0] % n == 0]
+    sizes = sorted({arrays[i].shape[0] for i in rows})
     if len(sizes) > 1:
         raise ValueError(
             f"value_and_grad(data_axes={layout.data_spec!r}) on a mesh with Auto axes cannot tell which arguments "
             f"are the batch: the mesh does not record how they are sharded, and arguments with first dimensions "
-            f"{sizes} could each be its rows. Pass arg_specs= (a pytree prefix of the arguments after params: "
+            f"{sizes} could each be its rows. Pass arg_specs= (one entry per argument that is not differentiated: "
             f"P({layout.data_spec!r}) for the batch, P() for an argument passed whole; MaxText: the data sharding), "
             "or use a mesh with Explicit axes (jax.make_mesh's default)."
         )
-    return [P(layout.data_spec) if i in rows else P() for i in range(len(flat))]
+    return [P()] * len(state_leaves) + [P(layout.data_spec) if i in rows else P() for i in range(len(arrays))]
 
 
 def _auto_refusal(layout: Layout, convert, err) -> str:

@@ -136,8 +136,7 @@ def specs_like(given: Any, tree: Any, layout: Layout, name: str = "param_specs")
     is_spec = lambda x: x is None or isinstance(x, (P, jax.sharding.NamedSharding))  # noqa: E731
     leaves, treedef = jax.tree.flatten(tree)
     try:
-        per_leaf = jax.tree.map(lambda s, sub: [s] * len(jax.tree.leaves(sub)), given, tree, is_leaf=is_spec)
-        flat = [s for group in jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for s in group]
+        flat = broadcast_prefix(given, tree, is_spec)
     except (ValueError, TypeError) as err:
         spec_tree = jax.tree.structure(given, is_leaf=is_spec)
         what = "params" if name == "param_specs" else "the arguments after params"
@@ -162,6 +161,17 @@ def specs_like(given: Any, tree: Any, layout: Layout, name: str = "param_specs")
             )
         out.append(P(*parts))
     return out
+
+
+class _Group(tuple):
+    """One prefix leaf's copies, one per leaf of the subtree it covers (a tuple JAX does not flatten into)."""
+
+
+def broadcast_prefix(prefix: Any, tree: Any, is_leaf) -> list[Any]:
+    """One entry of ``prefix`` (a pytree prefix of ``tree``; ``is_leaf`` says what its leaves are) per leaf of
+    ``tree``, in ``tree``'s flattening order."""
+    groups = jax.tree.map(lambda s, sub: _Group([s] * len(jax.tree.leaves(sub))), prefix, tree, is_leaf=is_leaf)
+    return [s for group in jax.tree.leaves(groups, is_leaf=lambda x: isinstance(x, _Group)) for s in group]
 
 
 def param_specs_like(param_specs: Any, params: Any, layout: Layout) -> list[P] | None:

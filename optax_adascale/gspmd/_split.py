@@ -32,19 +32,26 @@ def combine(x: Any) -> Any:
 @dataclasses.dataclass
 class Split:
     """The arguments as ``k`` global micro-batches: the leaves sharded over the data axes on their first
-    dimension are cut (micro-batch ``j``: the ``j``-th block of every data shard's rows), the rest go whole."""
+    dimension are cut (micro-batch ``j``: the ``j``-th block of every data shard's rows), the rest go whole.
+
+    ``n_state``: the first ``n_state`` leaves are state the function advances (``state_argnum``): never cut,
+    threaded through the micro-batches (micro-batch ``j`` starts from micro-batch ``j − 1``'s new state, which the
+    function returns as ``(value, (aux, new_state))``), as the user's own accumulation threads it."""
 
     layout: Layout
     flat: list[Any]
     tree: Any
     rows: list[int]
+    n_state: int = 0
 
     @classmethod
-    def of(cls, layout: Layout, args: Any) -> Split:
+    def of(cls, layout: Layout, args: Any, n_state: int = 0) -> Split:
         flat, tree = jax.tree.flatten(args)
         data = set(layout.data)
         rows = [
-            i for i, x in enumerate(flat) if jnp.ndim(x) and data <= set(_layout.spec_axes(_layout.partitions(x)[0]))
+            i
+            for i, x in enumerate(flat)
+            if i >= n_state and jnp.ndim(x) and data <= set(_layout.spec_axes(_layout.partitions(x)[0]))
         ]
         if layout.k > 1:
             for i in rows:
@@ -54,7 +61,7 @@ class Split:
                         f"shards × num_microbatches = {layout.shards} × {layout.k}: each micro-batch takes the same "
                         "rows of every shard."
                     )
-        return cls(layout, flat, tree, rows)
+        return cls(layout, flat, tree, rows, n_state)
 
     def first_avals(self) -> Any:
         """The arguments of one micro-batch, as ``ShapeDtypeStruct``\\ s (to trace the loss at)."""
@@ -74,25 +81,62 @@ class Split:
         )
         return jnp.moveaxis(y, 1, 0)
 
-    def batch(self, micro: list[Any]) -> Any:
+    def batch(self, micro: list[Any], state: list[Any] | None = None) -> Any:
         full = list(self.flat)
         for i, x in zip(self.rows, micro, strict=True):
             full[i] = x.reshape(
                 (x.shape[0] * x.shape[1],) + x.shape[2:], out_sharding=P(*_layout.partitions(self.flat[i]))
             )
+        if state is not None:
+            full[: self.n_state] = state
         return self.tree.unflatten(full)
+
+    def loop(self, one, carry: Any, unroll: int | bool = 1):
+        """``one(batch, carry) -> (carry, out)`` over the micro-batches in a ``lax.scan``, the state threaded:
+        ``(carry, stacked outs, the last new state or None)``. ``out`` is ``(value, aux, ...)``; with state, ``aux``
+        is ``(aux, new_state)`` and its new state goes to the next micro-batch."""
+        xs = [self.micro(self.flat[i]) for i in self.rows]
+        state_tree: list[Any] = []
+
+        def body(carry, micro):
+            carry, state = carry
+            carry, out = one(self.batch(micro, state if self.n_state else None), carry)
+            if self.n_state:
+                value, (aux, new_state), *rest = out
+                leaves, tree = jax.tree.flatten(new_state)
+                state_tree.append(tree)
+                state = [_like(new, old) for new, old in zip(leaves, state, strict=True)]
+                out = (value, aux, *rest)
+            return (carry, state), out
+
+        state0 = list(self.flat[: self.n_state])
+        (carry, state), outs = lax.scan(body, (carry, state0), xs, unroll=unroll)
+        return carry, outs, (state_tree[-1].unflatten(state) if self.n_state else None)
 
     def scan(self, one, zeros: list[Any], layout: Layout, unroll: int | bool = 1):
         """``one`` over the micro-batches: partials and ``‖·‖²`` arrays accumulate per device, no reduction."""
-        xs = [self.micro(self.flat[i]) for i in self.rows]
         mesh_zero = jnp.zeros((len(zeros),) + layout.axis_sizes, jnp.float32, out_sharding=P(None, *layout.axis_names))
 
-        def body(carry, micro):
+        def step(batch, carry):
             acc, sq_acc = carry
-            value, aux, partials, sq = one(self.batch(micro))
+            value, aux, partials, sq = one(batch)
             acc = [a + g.astype(a.dtype) for a, g in zip(acc, partials, strict=True)]
-            sq_acc = sq_acc + sq
-            return (acc, sq_acc), (value, aux)
+            return (acc, sq_acc + sq), (value, aux)
 
-        (acc, sq), (values, auxes) = lax.scan(body, (zeros, mesh_zero), xs, unroll=unroll)
-        return jnp.mean(values), jax.tree.map(combine, auxes), acc, sq
+        (acc, sq), (values, auxes), state = self.loop(step, (zeros, mesh_zero), unroll)
+        return jnp.mean(values), self.aux(auxes, state), acc, sq
+
+    def aux(self, stacked: Any, state: Any) -> Any:
+        """The aux over the micro-batches (:func:`combine`), with the last new state where state is threaded."""
+        combined = jax.tree.map(combine, stacked)
+        return (combined, state) if self.n_state else combined
+
+
+def _like(new: Any, old: Any) -> Any:
+    """A new state leaf typed as the old one (the scan's carry keeps its type)."""
+    if hasattr(old, "dtype") and new.dtype != old.dtype:
+        new = new.astype(old.dtype)
+    spec = getattr(getattr(jax.typeof(old), "sharding", None), "spec", None)
+    if spec is not None and getattr(jax.typeof(new).sharding, "spec", None) != spec:
+        new = jax.reshard(new, spec)
+    return new
