@@ -44,6 +44,48 @@ def local(interp: Any, eqn, invals):
     return result if eqn.primitive.multiple_results else result[0]
 
 
+def keeps_copies(interp: Any, eqn, invals, out) -> bool:
+    """Whether JAX's own rules keep each data shard's copy of the parameters apart through ``eqn``, an equation
+    with a ``reduced`` input. Through an equation that meets the batch (an operand sharded over the data axes)
+    they do: its transpose contracts the rows into an ``unreduced`` partial. Through one of the parameters alone
+    (and constants: ``W + A @ B``, ``W Wᵀ``) the output must stay ``reduced`` and JAX's VJP must take the
+    ``unreduced`` cotangent it then gets; JAX types a matmul of two reduced values plain, and has no transpose of a
+    linear map of an unreduced value whose other operand is not sharded over the data axes. Found here on abstract
+    values, before the backward pass is built."""
+    data = interp.data
+    if any(data & _layout.axes_of(x) for x in invals if hasattr(x, "shape") and not _layout.reduced_axes(x)):
+        return True
+    outs = list(out) if eqn.primitive.multiple_results else [out]
+    inexact = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    if any(inexact(o) and not _layout.reduced_axes(o) & data for o in outs):
+        return False
+    cts = [_partial_aval(o, data) for o in outs]
+
+    def backward(xs, cts):
+        _, f = jax.vjp(lambda *a: interp.bind(eqn, list(a)), *xs)
+        return f(cts if eqn.primitive.multiple_results else cts[0])
+
+    try:
+        jax.eval_shape(backward, list(invals), cts)
+    except Exception:  # noqa: BLE001 - JAX's transpose has no rule for an unreduced cotangent here
+        return False
+    return True
+
+
+def _cotangent_is_partial(x: Any, data: frozenset[str]) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact) and bool(_layout.reduced_axes(x) & data)
+
+
+def _partial_aval(x: Any, data: frozenset[str]) -> Any:
+    """The cotangent type of ``x``: ``unreduced`` where ``x`` is ``reduced`` (over the data axes)."""
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.ShapeDtypeStruct(jnp.shape(x), jax.dtypes.float0) if hasattr(x, "dtype") else x
+    aval = jax.typeof(x)
+    reduced = _layout.reduced_axes(x)
+    spec = P(*_layout.partitions(x), unreduced=reduced & data, reduced=reduced - data)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(aval.sharding.mesh, spec))
+
+
 def _not_local(eqn) -> str:
     return (
         f"value_and_grad(data_axes=...) cannot take per-copy statistics through the operation "
@@ -126,8 +168,9 @@ def _per_shard_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: l
     args = ([r.value for r in res], [c.value for c in cot])
     try:
         grads = per_shard(*args)
-    except (ValueError, TypeError):  # one shard's block is not Explicit-valid on its own (a gather): Auto inside
-        out_specs = [P(layout.data_spec, *_auto_free(x)) for x in plain]
+    except Exception:  # noqa: BLE001 - one shard's block is not Explicit-valid on its own (a gather): Auto inside
+        data = frozenset(layout.data)
+        out_specs = [P(layout.data_spec, *(_layout.strip(e, data) for e in _layout.partitions(x))) for x in plain]
         grads = jax.sharding.auto_axes(per_shard, out_sharding=out_specs)(*args)
     out = []
     for g, x, r, rs in zip(grads, plain, red, res, strict=True):
@@ -148,11 +191,6 @@ def _custom_refusal() -> str:
         "first (jax.reshard(w, P(...)) without the data axes) and apply the function to the result, or keep that "
         "parameter replicated over the data axes."
     )
-
-
-def _auto_free(x: Any) -> tuple[Any, ...]:
-    """``x``'s partitions without the data axes (the stacked leading axis carries them)."""
-    return tuple(None for _ in _layout.partitions(x))
 
 
 @dataclasses.dataclass

@@ -253,7 +253,7 @@ class Interpreter:
         if name in _local.CUSTOM:
             return self.custom(eqn, invals, reduced_in)
         try:
-            return self.bind(eqn, invals)
+            out = self.bind(eqn, invals)
         except Exception:  # noqa: BLE001 - JAX has no reduced rule for this equation: the rule its types imply
             if self.convert:
                 decided = self.gspmd_decision(eqn, invals, reduced_in)
@@ -262,6 +262,9 @@ class Interpreter:
             if not reduced_in:
                 raise
             return _local.local(self, eqn, invals)
+        if reduced_in and not _local.keeps_copies(self, eqn, invals, out):
+            return _local.local(self, eqn, invals)  # the per-copy rule JAX's types imply, where JAX has none
+        return out
 
     def gspmd_decision(self, eqn, invals, reduced_in: bool):
         """A loss written for Auto axes, re-evaluated on Explicit ones, where Explicit types ask for a decision GSPMD

@@ -1,0 +1,160 @@
+"""What big models are made of, written once for the mesh and once per copy (no mesh), for test_patterns.py.
+
+Each :class:`Pattern` has parameters, their layouts, a batch, and ``apply(p, *rows)``: the model on some rows,
+written the Explicit way through :func:`mm` and :func:`put` (which annotate only where a mesh is set, so the same
+code runs per copy without one), and ``head(out, p, *batch)``: the loss of the whole batch's outputs (it may couple
+rows, and may hold terms of the parameters alone). The global loss is ``head(apply(p, *batch), p, *batch)``. The
+per-copy loss gives data shard ``i``'s rows their own copy ``θ_i`` of the parameters (``apply`` per shard), the
+terms of the parameters alone seeing the copies' mean: its gradient with respect to ``θ_i``, times ``n``, is
+sample ``i`` (``g_i = n·∂L/∂θ_i``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+
+def on_mesh() -> bool:
+    return not jax.sharding.get_abstract_mesh().empty
+
+
+def mm(eq: str, a: Any, b: Any, out: P | None = None) -> Any:
+    """``jnp.einsum(eq, a, b)``, with ``out_sharding=out`` on a mesh."""
+    if out is not None and on_mesh():
+        return jnp.einsum(eq, a, b, out_sharding=out)
+    return jnp.einsum(eq, a, b)
+
+
+def put(x: Any, spec: P) -> Any:
+    """``jax.reshard(x, spec)`` on a mesh (the Explicit way's gathers and layouts), ``x`` without one."""
+    return jax.reshard(x, spec) if on_mesh() else x
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pattern:
+    params: dict[str, np.ndarray]
+    layouts: dict[str, dict[str, P]]
+    batch: tuple[np.ndarray, ...]
+    apply: Callable[..., Any]
+    head: Callable[..., Any]
+    batch_specs: tuple[P, ...] = ()
+    mesh_shape: tuple[int, ...] = (4, 2)
+    axis_names: tuple[str, ...] = ("data", "model")
+    data_axes: Any = "data"
+
+    @property
+    def shards(self) -> int:
+        names = (self.data_axes,) if isinstance(self.data_axes, str) else self.data_axes
+        return int(np.prod([self.mesh_shape[self.axis_names.index(a)] for a in names]))
+
+    def loss(self, p, *batch):
+        return self.head(self.apply(p, *batch), p, *batch)
+
+    def copies_loss(self, stack, *batch):
+        n = self.shards
+        split = [b.reshape(n, b.shape[0] // n, *b.shape[1:]) for b in batch]
+        outs = jax.vmap(self.apply)(stack, *split)
+        out = jax.tree.map(lambda o: o.reshape(o.shape[0] * o.shape[1], *o.shape[2:]), outs)
+        return self.head(out, jax.tree.map(lambda a: a.mean(0), stack), *batch)
+
+    def samples(self) -> dict[str, float]:
+        """``mean_i ‖n·∂L/∂θ_i‖²`` per leaf."""
+        n = self.shards
+        stack = jax.tree.map(lambda a: np.stack([a] * n), self.params)
+        grads = jax.grad(self.copies_loss)(stack, *self.batch)
+        return {
+            k: float(np.mean(np.sum((n * np.asarray(g)) ** 2, axis=tuple(range(1, g.ndim))))) for k, g in grads.items()
+        }
+
+
+B, D, H, C, R = 32, 8, 16, 4, 2
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def _xent(logits, y):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+def _classify(seed=0):
+    rng = _rng(seed)
+    x = rng.normal(size=(B, D)).astype(np.float32)
+    y = rng.integers(0, C, size=(B,)).astype(np.int32)
+    return x, y
+
+
+def _mlp_params(rng, **extra):
+    params = {
+        "w1": (rng.normal(size=(D, H)) / 3).astype(np.float32),
+        "w2": (rng.normal(size=(H, C)) / 4).astype(np.float32),
+    }
+    params.update({k: v.astype(np.float32) for k, v in extra.items()})
+    return params
+
+
+LAYOUTS_MLP = {
+    "replicated": {"w1": P(), "w2": P()},
+    "TP": {"w1": P(None, "model"), "w2": P("model", None)},
+    "FSDP": {"w1": P("data", None), "w2": P("data", None)},
+}
+
+
+def _with(layouts, **extra):
+    return {name: dict(specs, **{k: v(name) for k, v in extra.items()}) for name, specs in layouts.items()}
+
+
+def lora() -> Pattern:
+    """LoRA merged into the weight: ``W + A @ B`` (a parameter times a parameter), then ``x @ W_eff``."""
+    rng = _rng(1)
+    params = _mlp_params(rng, a=rng.normal(size=(D, R)) / 3, b=rng.normal(size=(R, H)) / 3)
+    col = lambda layout: "model" if layout == "TP" else None  # noqa: E731
+    layouts = _with(LAYOUTS_MLP, a=lambda _: P(), b=lambda name: P(None, col(name)))
+
+    def apply(p, x, y):
+        hid = col_of(p["w1"])
+        w_eff = p["w1"] + mm("dr,rh->dh", p["a"], p["b"], P(None, hid))
+        h = jnp.tanh(mm("bd,dh->bh", x, w_eff, P("data", hid)))
+        return mm("bh,hc->bc", h, p["w2"], P("data", None))
+
+    return Pattern(params, layouts, _classify(1), apply, lambda out, p, x, y: _xent(out, y))
+
+
+def col_of(w) -> Any:
+    """The mesh axis a weight's second dimension is split over (None without a mesh)."""
+    if not on_mesh():
+        return None
+    spec = jax.typeof(w).sharding.spec
+    return spec[1] if len(spec) > 1 else None
+
+
+def param_terms() -> Pattern:
+    """Terms of the parameters alone next to the data: an orthogonality penalty ``‖W Wᵀ − I‖²``, a spectral term
+    ``(u W v)²`` and a bias read from a table by constant indices (``one_hot(ids) @ table``)."""
+    rng = _rng(2)
+    params = _mlp_params(rng, u=rng.normal(size=(D,)) / 3, v=rng.normal(size=(H,)) / 3, table=rng.normal(size=(6, C)))
+    layouts = _with(LAYOUTS_MLP, u=lambda _: P(), v=lambda _: P(), table=lambda _: P())
+    ids = np.array([1, 3, 3, 5], np.int32)
+
+    def apply(p, x, y):
+        hid = col_of(p["w1"])
+        h = jnp.tanh(mm("bd,dh->bh", x, p["w1"], P("data", hid)))
+        bias = jnp.mean(mm("ic,cd->id", jax.nn.one_hot(ids, 6), p["table"]), axis=0)
+        return mm("bh,hc->bc", h, p["w2"], P("data", None)) + bias
+
+    def head(out, p, x, y):
+        w = p["w1"]
+        gram = mm("dh,eh->de", w, w, P())
+        ortho = jnp.sum((gram - jnp.eye(D)) ** 2)
+        spectral = mm("d,d->", p["u"], mm("dh,h->d", w, p["v"], P()), P()) ** 2
+        return _xent(out, y) + 1e-2 * ortho + 1e-2 * spectral
+
+    return Pattern(params, layouts, _classify(2), apply, head)
