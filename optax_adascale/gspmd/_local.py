@@ -59,7 +59,7 @@ def keeps_copies(interp: Any, eqn, invals, out) -> bool:
     inexact = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
     if any(inexact(o) and not _layout.reduced_axes(o) & data for o in outs):
         return False
-    cts = [_partial_aval(o, data) for o in outs]
+    cts = [_partial_aval(o, interp.rows) for o in outs]
 
     def backward(xs, cts):
         _, f = jax.vjp(lambda *a: interp.bind(eqn, list(a)), *xs)
@@ -70,10 +70,6 @@ def keeps_copies(interp: Any, eqn, invals, out) -> bool:
     except Exception:  # noqa: BLE001 - JAX's transpose has no rule for an unreduced cotangent here
         return False
     return True
-
-
-def _cotangent_is_partial(x: Any, data: frozenset[str]) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact) and bool(_layout.reduced_axes(x) & data)
 
 
 def _partial_aval(x: Any, data: frozenset[str]) -> Any:
@@ -114,7 +110,7 @@ class _LocalVJP:
         outs = self.interp.bind(self.eqn, plain)
         outs = list(outs) if self.eqn.primitive.multiple_results else [outs]
         if self.keep_reduced:
-            outs = [_as_reduced(o, self.interp.data) for o in outs]
+            outs = [_as_reduced(o, self.interp.rows) for o in outs]
         return tuple(outs), tuple(plain)
 
     def _vjp_fn(self):
@@ -136,6 +132,7 @@ class _LocalVJP:
     def __call__(self, *invals):
         layout = self.interp.layout
         vjp = self._vjp_fn()
+        reduced_over = [_layout.reduced_axes(x) for x in invals]
 
         @jax.custom_vjp
         def f(*xs):
@@ -146,7 +143,12 @@ class _LocalVJP:
 
         def bwd(plain, cts):
             try:
-                return tuple(_per_shard_vjp(layout, vjp, list(plain), list(cts), self.red))
+                cts = [_layout.data_partial(layout, c) if hasattr(c, "shape") else c for c in cts]
+                grads = _per_shard_vjp(layout, vjp, list(plain), cts, self.red)
+                return tuple(
+                    _layout.spread_partial(layout, g, over) if r else g
+                    for g, r, over in zip(grads, self.red, reduced_over, strict=True)
+                )
             except (ValueError, TypeError) as err:
                 if self.eqn.primitive.name not in CUSTOM:
                     raise
@@ -253,8 +255,8 @@ def _unstack(layout: Layout, st: Any, like: Any) -> Any:
     )(st)
 
 
-def _as_reduced(x: Any, data: frozenset[str]) -> Any:
-    """A replicated floating output as ``reduced`` over the data axes (its cotangent stays each shard's)."""
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and not data & _layout.axes_of(x):
-        return jax.reshard(x, P(*_layout.partitions(x), reduced=data))
+def _as_reduced(x: Any, rows: frozenset[str]) -> Any:
+    """A floating output replicated over the row axes as ``reduced`` over them (its cotangent stays each copy's)."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and not rows & _layout.axes_of(x):
+        return jax.reshard(x, P(*_layout.partitions(x), reduced=rows))
     return x

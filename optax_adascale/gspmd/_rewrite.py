@@ -44,7 +44,7 @@ def _shared(layout: Layout, value: Any) -> Any:
     JAX seeds a ``reduced`` output's gradient differently with and without ``jax.checkpoint`` in the
     program; this rule does not depend on it.
     """
-    reduced = _layout.reduced_axes(value) & frozenset(layout.data)
+    reduced = _layout.reduced_axes(value) & layout.rows
     if not reduced:
         return value
     n = float(np.prod([layout.size(a) for a in reduced]))
@@ -86,7 +86,8 @@ def _probe(layout: Layout, value: Any, slot: Any) -> Any:
         return v, None
 
     def bwd(_, ct):
-        return ct, _layout.local_sq(layout, ct, _layout.partial_spec(ct), True)
+        sample = _layout.data_partial(layout, ct)
+        return ct, _layout.local_sq(layout, sample, _layout.partial_spec(sample), True)
 
     probe.defvjp(fwd, bwd)
     return probe(value, slot)
@@ -182,6 +183,7 @@ class Interpreter:
     def __init__(self, layout: Layout, convert: frozenset[str], probes: dict[int, Any]):
         self.layout, self.convert, self.probes = layout, convert, probes
         self.data = frozenset(layout.data)
+        self.rows = layout.rows
 
     # ------------------------------------------------------------------ the loop
 
@@ -252,6 +254,8 @@ class Interpreter:
         reduced_in = any(_layout.reduced_axes(x) for x in invals if isinstance(x, jax.Array) or hasattr(x, "aval"))
         if name in _local.CUSTOM:
             return self.custom(eqn, invals, reduced_in)
+        if reduced_in and self.layout.extra:
+            invals = self.widened(invals)
         try:
             out = self.bind(eqn, invals)
         except Exception:  # noqa: BLE001 - JAX has no reduced rule for this equation: the rule its types imply
@@ -264,6 +268,20 @@ class Interpreter:
             return _local.local(self, eqn, invals)
         if reduced_in and not _local.keeps_copies(self, eqn, invals, out):
             return _local.local(self, eqn, invals)  # the per-copy rule JAX's types imply, where JAX has none
+        return out
+
+    def widened(self, invals):
+        """A parameter's copy meeting rows split over more than the data axes (a sequence axis): ``reduced`` over
+        those too, so that the partial its transpose contracts is typed as the contraction makes it; the cast's
+        own transpose sums it back over them."""
+        over = frozenset().union(
+            *(self.rows & _layout.axes_of(x) for x in invals if hasattr(x, "shape") and not _layout.reduced_axes(x))
+        )
+        out = []
+        for x in invals:
+            red = _layout.reduced_axes(x)
+            wider = (over - red) - _layout.axes_of(x) if red else frozenset()
+            out.append(jax.reshard(x, P(*_layout.partitions(x), reduced=red | wider)) if wider else x)
         return out
 
     def gspmd_decision(self, eqn, invals, reduced_in: bool):
@@ -369,8 +387,9 @@ class Interpreter:
             return self.bind(eqn, invals)
         spec = target.spec
         parts = tuple(spec.partitions) + (None,) * (jnp.ndim(x) - len(spec.partitions))
-        used = {a for e in parts for a in _layout.spec_axes(e)}  # a reduced value stays reduced where unsharded
-        return jax.reshard(x, P(*parts, reduced=reduced - used, unreduced=frozenset(spec.unreduced)))
+        used = {a for e in parts for a in _layout.spec_axes(e)}  # a reduced value stays reduced where unsharded,
+        gathered = (self.rows & _layout.axes_of(x)) - used  # and becomes reduced over a row axis it is gathered off
+        return jax.reshard(x, P(*parts, reduced=(reduced | gathered) - used, unreduced=frozenset(spec.unreduced)))
 
     def constraint(self, eqn, invals, lineage=None):
         (x,) = invals

@@ -158,3 +158,120 @@ def param_terms() -> Pattern:
         return _xent(out, y) + 1e-2 * ortho + 1e-2 * spectral
 
     return Pattern(params, layouts, _classify(2), apply, head)
+
+
+E, CAP = 4, 4  # experts, capacity per expert and group
+
+
+def _top2_dispatch(gates):
+    """GShard top-2 dispatch with capacity: the (G, S, E, CAP) combine weights, the load-balancing loss per group."""
+    mask1 = jax.nn.one_hot(jnp.argmax(gates, -1), E)
+    mask2 = jax.nn.one_hot(jnp.argmax(gates * (1 - mask1), -1), E)
+    density = jnp.mean(mask1, axis=1)  # (G, E): tokens routed first to each expert
+    aux = E * jnp.sum(density * jnp.mean(gates, axis=1), axis=-1)  # (G,)
+    pos1 = jnp.cumsum(mask1, axis=1) - 1
+    mask1 = mask1 * (pos1 < CAP)
+    pos2 = jnp.cumsum(mask2, axis=1) - 1 + jnp.sum(mask1, axis=1, keepdims=True)
+    mask2 = mask2 * (pos2 < CAP)
+    g1, g2 = jnp.sum(gates * mask1, -1), jnp.sum(gates * mask2, -1)
+    norm = g1 + g2 + 1e-9
+    slot = lambda pos, mask: jax.nn.one_hot(jnp.sum(pos * mask, -1).astype(jnp.int32), CAP)  # noqa: E731
+    combine = (g1 / norm)[..., None, None] * mask1[..., None] * slot(pos1, mask1)[:, :, None, :]
+    combine += (g2 / norm)[..., None, None] * mask2[..., None] * slot(pos2, mask2)[:, :, None, :]
+    return combine, aux
+
+
+def moe(layout: str = "replicated") -> Pattern:
+    """A GShard top-2 mixture of experts with dense dispatch (einsums with one-hot masks), capacity and the
+    load-balancing loss; each data shard's rows are one group. Experts replicated, over ``model`` (expert
+    parallelism) or their weights over ``data`` (FSDP)."""
+    rng = _rng(3)
+    params = {
+        "router": (rng.normal(size=(D, E)) / 3).astype(np.float32),
+        "w_in": (rng.normal(size=(E, D, H)) / 3).astype(np.float32),
+        "w_out": (rng.normal(size=(E, H, D)) / 4).astype(np.float32),
+        "head": (rng.normal(size=(D, C)) / 3).astype(np.float32),
+    }
+    layouts = {
+        "replicated": {"router": P(), "w_in": P(), "w_out": P(), "head": P()},
+        "EP": {"router": P(), "w_in": P("model", None, None), "w_out": P("model", None, None), "head": P()},
+        "FSDP": {"router": P(), "w_in": P(None, "data", None), "w_out": P(None, None, "data"), "head": P()},
+    }
+    group = B // 4
+
+    def apply(p, x, y):
+        ep = "model" if on_mesh() and jax.typeof(p["w_in"]).sharding.spec[0] == "model" else None
+        xg = (
+            x.reshape(x.shape[0] // group, group, D)
+            if not on_mesh()
+            else x.reshape(x.shape[0] // group, group, D, out_sharding=P("data", None, None))
+        )
+        gates = jax.nn.softmax(mm("gsd,de->gse", xg, p["router"], P("data", None, None)))
+        combine, aux = _top2_dispatch(gates)
+        dispatched = mm("gsec,gsd->gecd", combine, xg, P("data", ep, None, None))
+        hidden = jax.nn.relu(mm("gecd,edh->gech", dispatched, p["w_in"], P("data", ep, None, None)))
+        expert_out = mm("gech,ehd->gecd", hidden, p["w_out"], P("data", ep, None, None))
+        out = mm("gsec,gecd->gsd", combine, expert_out, P("data", None, None))
+        out = out.reshape(x.shape[0], D) if not on_mesh() else out.reshape(x.shape[0], D, out_sharding=P("data", None))
+        return mm("bd,dc->bc", out + x, p["head"], P("data", None)), aux
+
+    def head(out, p, x, y):
+        logits, aux = out
+        return _xent(logits, y) + 0.01 * jnp.mean(aux)
+
+    pattern = Pattern(params, layouts, _classify(3), apply, head)
+    return pattern
+
+
+def sequence_parallel() -> Pattern:
+    """Rows over ``data``, the sequence over ``seq``: a token MLP, a causal mixer across the sequence (a cumulative
+    mean, which couples the sequence shards) and mean pooling."""
+    rng = _rng(4)
+    T = 8
+    params = {
+        "w1": (rng.normal(size=(D, H)) / 3).astype(np.float32),
+        "w2": (rng.normal(size=(H, C)) / 4).astype(np.float32),
+    }
+    x = rng.normal(size=(B, T, D)).astype(np.float32)
+    y = rng.integers(0, C, size=(B,)).astype(np.int32)
+
+    def apply(p, x, y):
+        h = jnp.tanh(mm("btd,dh->bth", x, p["w1"], P("data", "seq", None)))
+        steps = jnp.arange(1, h.shape[1] + 1, dtype=h.dtype)[None, :, None]
+        mixed = put(jnp.cumsum(put(h, P("data", None, None)), axis=1), P("data", "seq", None)) / steps
+        pooled = jnp.mean(mixed, axis=1)
+        return mm("bh,hc->bc", pooled, p["w2"], P("data", None))
+
+    return Pattern(
+        params,
+        {"replicated": {"w1": P(), "w2": P()}},
+        (x, y),
+        apply,
+        lambda out, p, x, y: _xent(out, y),
+        batch_specs=(P("data", "seq", None), P("data")),
+        axis_names=("data", "seq"),
+    )
+
+
+def hsdp(data_axes: Any = "data") -> Pattern:
+    """HSDP: the batch over (``data``, ``fsdp``), the weights over ``fsdp`` and replicated over ``data``, gathered
+    by the loss (the Explicit way) before use."""
+    rng = _rng(5)
+    params = _mlp_params(rng)
+
+    def apply(p, x, y):
+        rows = ("data", "fsdp") if on_mesh() else None
+        h = jnp.tanh(mm("bd,dh->bh", x, put(p["w1"], P()), P(rows, None)))
+        return mm("bh,hc->bc", h, put(p["w2"], P()), P(rows, None))
+
+    pattern = Pattern(
+        params,
+        {"HSDP": {"w1": P("fsdp", None), "w2": P("fsdp", None)}},
+        _classify(5),
+        apply,
+        lambda out, p, x, y: _xent(out, y),
+        batch_specs=(P(("data", "fsdp")), P(("data", "fsdp"))),
+        axis_names=("data", "fsdp"),
+        data_axes=data_axes,
+    )
+    return pattern

@@ -43,3 +43,17 @@ def test_lora_merged_into_the_weight(layout):
 @pytest.mark.parametrize("layout", ["replicated", "TP", "FSDP"])
 def test_terms_of_the_parameters_alone(layout):
     check(patterns.param_terms(), layout)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "EP", "FSDP"])
+def test_mixture_of_experts_with_dense_dispatch(layout):
+    check(patterns.moe(), layout)
+
+
+def test_sequence_parallelism():
+    check(patterns.sequence_parallel(), "replicated")
+
+
+@pytest.mark.parametrize("data_axes", ["data", ("data", "fsdp")])
+def test_hsdp(data_axes):
+    check(patterns.hsdp(data_axes), "HSDP")
