@@ -163,11 +163,16 @@ def data_partial(layout: Layout, u: Any) -> Any:
 def spread_partial(layout: Layout, u: Any, like_reduced: frozenset[str]) -> Any:
     """A data-shard partial (``unreduced`` over the data axes) as the cotangent of a value ``reduced`` over
     ``like_reduced`` (some of :attr:`Layout.extra` too): the same sum, held by index 0 of the extra axes."""
-    extra = like_reduced & frozenset(layout.extra)
-    if not extra:
+    return fill_partial(layout, u, like_reduced & frozenset(layout.extra))
+
+
+def fill_partial(layout: Layout, u: Any, axes: frozenset[str]) -> Any:
+    """``u`` ``unreduced`` over ``axes`` too, with the same sum: held by index 0 along them, zeros elsewhere."""
+    axes = axes - unreduced_axes(u)
+    if not axes:
         return u
     parts = partitions(u)
-    first = tuple(extra)
+    first = tuple(axes)
 
     def body(b):
         keep = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in first]))
@@ -177,7 +182,7 @@ def spread_partial(layout: Layout, u: Any, like_reduced: frozenset[str]) -> Any:
         body,
         mesh=layout.mesh,
         in_specs=P(*parts, unreduced=unreduced_axes(u)),
-        out_specs=P(*parts, unreduced=unreduced_axes(u) | extra),
+        out_specs=P(*parts, unreduced=unreduced_axes(u) | axes),
         check_vma=False,
     )(u)
 

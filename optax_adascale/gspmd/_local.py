@@ -15,10 +15,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd import _layout, _rows
 from optax_adascale.gspmd._layout import Layout
 
 CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -34,10 +35,17 @@ def local(interp: Any, eqn, invals):
     data = interp.data
     red = [bool(_layout.reduced_axes(x)) for x in invals]
     mixing = any(not r and data & _layout.axes_of(x) for x, r in zip(invals, red, strict=True))
+    if mixing:  # each shard's rows alone must give the equation's own result: nothing may mix rows
+        rows = [_row_dims(x, data) if hasattr(x, "shape") and not r else frozenset() for x, r in zip(invals, red)]
+        if _rows.has_subjaxprs(eqn):
+            raise ValueError(_opaque_call(eqn))
+        mixed = _rows.equation_coupling(eqn, rows)
+        if mixed:
+            raise ValueError(_not_local(eqn, mixed))
     plain_out = interp.bind(eqn, [_layout.plain(x) if r else x for x, r in zip(invals, red, strict=True)])
     outs = list(plain_out) if eqn.primitive.multiple_results else [plain_out]
     if mixing and any(isinstance(o, jax.Array) and jnp.ndim(o) and not data <= _layout.axes_of(o) for o in outs):
-        raise ValueError(_not_local(eqn))
+        raise ValueError(_not_local(eqn, "its output is not sharded over the data axes"))
     if not any(r and jnp.issubdtype(x.dtype, jnp.inexact) for x, r in zip(invals, red, strict=True)):
         return plain_out
     result = _LocalVJP(interp, eqn, red, keep_reduced=not mixing)(*invals)
@@ -59,11 +67,18 @@ def keeps_copies(interp: Any, eqn, invals, out) -> bool:
     inexact = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
     if any(inexact(o) and not _layout.reduced_axes(o) & data for o in outs):
         return False
+    return backward_ok(interp, lambda *a: interp.bind(eqn, list(a)), invals, out, eqn.primitive.multiple_results)
+
+
+def backward_ok(interp: Any, fn, invals, out, multiple: bool) -> bool:
+    """Whether JAX builds the VJP of ``fn`` at ``invals`` for the cotangents its outputs ``out`` get (``unreduced``
+    where an output is ``reduced``): traced on abstract values, nothing computed."""
+    outs = list(out) if multiple else [out]
     cts = [_partial_aval(o, interp.rows) for o in outs]
 
     def backward(xs, cts):
-        _, f = jax.vjp(lambda *a: interp.bind(eqn, list(a)), *xs)
-        return f(cts if eqn.primitive.multiple_results else cts[0])
+        _, f = jax.vjp(fn, *xs)
+        return f(cts if multiple else cts[0])
 
     try:
         jax.eval_shape(backward, list(invals), cts)
@@ -82,13 +97,37 @@ def _partial_aval(x: Any, data: frozenset[str]) -> Any:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(aval.sharding.mesh, spec))
 
 
-def _not_local(eqn) -> str:
+def _row_dims(x: Any, data: frozenset[str]) -> frozenset[int]:
+    """The dimensions of ``x`` split over the data axes: they index rows of the batch."""
+    return frozenset(d for d, e in enumerate(_layout.partitions(x)) if data & set(_layout.spec_axes(e)))
+
+
+def _not_local(eqn, why: str) -> str:
     return (
         f"value_and_grad(data_axes=...) cannot take per-copy statistics through the operation "
         f"'{eqn.primitive.name}' of loss_fn: JAX has no rule for it on parameters typed reduced over the data axes, "
-        "and it is not local to the rows (its output is not sharded over the data axes where an input is), so no "
-        "rule follows from the types. Build the mesh with Explicit axes and write this step of the loss so that a "
-        "parameter meets the batch in a row-local operation (a matmul, an elementwise op, an embedding lookup)."
+        f"and it is not local to the rows ({why}), so running it on each data shard's rows would change it. Write "
+        "this step of the loss so that a parameter meets the batch in a row-local operation (a matmul, an "
+        "elementwise op, an embedding lookup), or keep the parameter out of the step that mixes the rows."
+    )
+
+
+def _opaque_call(eqn) -> str:
+    if eqn.primitive.name == "shard_map":
+        return (
+            "value_and_grad(data_axes=...): loss_fn passes a parameter into a jax.shard_map that is manual over other "
+            "axes than the data axes (a pipeline stage or model axis) while the batch's rows stay sharded over the "
+            "data axes inside it. JAX takes a parameter's per-copy (reduced) type into a shard_map only when it is "
+            "manual over every axis, and the shard_map's body is traced for the whole batch, so it cannot run on each "
+            "data shard's rows either. Make the shard_map manual over the data axes too (add them to axis_names and "
+            "shard the batch's rows over them in in_specs/out_specs): each device then gets its own copy of the "
+            "parameter and the statistics are exact."
+        )
+    return (
+        f"value_and_grad(data_axes=...): loss_fn applies '{eqn.primitive.name}' to a parameter and to the batch's rows "
+        "together, JAX has no rule for its parameter on per-copy (reduced) types, and its inner computation is traced "
+        "for the whole batch, so it cannot run on each data shard's rows. Apply it to the rows or to the parameter "
+        "alone, or build that step from JAX operations."
     )
 
 
@@ -152,7 +191,7 @@ class _LocalVJP:
             except (ValueError, TypeError) as err:
                 if self.eqn.primitive.name not in CUSTOM:
                     raise
-                raise ValueError(_custom_refusal()) from err
+                raise ValueError(custom_refusal()) from err
 
         f.defvjp(fwd, bwd)
         return list(f(*invals))
@@ -185,7 +224,7 @@ def _per_shard_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: l
     return out
 
 
-def _custom_refusal() -> str:
+def custom_refusal() -> str:
     return (
         "value_and_grad(data_axes=...): loss_fn applies a jax.custom_vjp / jax.custom_jvp function to a parameter "
         "sharded over the data axes (FSDP) before the parameter is gathered; the per-copy statistics need the rule "
@@ -235,6 +274,38 @@ class _Stacked:
         y = jnp.moveaxis(g, 0, self.dim)
         shape = self.like.shape
         return y.reshape(shape, out_sharding=P(*_layout.partitions(self.like)))
+
+
+def copies(layout: Layout, x: Any, axes: frozenset[str]) -> tuple[Any, Any]:
+    """A ``reduced`` value as its copies stacked on a new leading axis split over ``axes`` (one block per device
+    along them), and that axis's spec entry. The cotangent of the stack, each device's own, comes back as the
+    value's ``unreduced`` partial."""
+    order = tuple(a for a in layout.axis_names if a in axes)
+    entry = order[0] if len(order) == 1 else order
+    n = int(np.prod([layout.size(a) for a in order]))
+    parts = _layout.partitions(x)
+    reduced = _layout.reduced_axes(x)
+
+    @jax.custom_vjp
+    def stack(v):
+        plain = _layout.plain(v)
+        return jax.reshard(jnp.broadcast_to(plain[None], (n, *plain.shape)), P(entry, *parts))
+
+    def fwd(v):
+        return stack(v), None
+
+    def bwd(_, ct):
+        u = jax.shard_map(
+            lambda b: b[0],
+            mesh=layout.mesh,
+            in_specs=P(entry, *parts),
+            out_specs=P(*parts, unreduced=frozenset(order)),
+            check_vma=False,
+        )(ct)
+        return (_layout.fill_partial(layout, u, reduced - frozenset(order)),)
+
+    stack.defvjp(fwd, bwd)
+    return stack(x), entry
 
 
 def _stack(layout: Layout, u: Any) -> Any:

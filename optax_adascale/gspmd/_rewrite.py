@@ -20,6 +20,7 @@ its jaxpr equation by equation (:class:`Interpreter`), one rule per primitive (`
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _layout, _local, _plan
+from optax_adascale.gspmd import _custom, _layout, _local, _plan
 from optax_adascale.gspmd._layout import Layout
 
 # --------------------------------------------------------------------------- the loss's value
@@ -180,10 +181,15 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 class Interpreter:
     """Evaluate a jaxpr equation by equation with the rules of this module (see the module docstring)."""
 
-    def __init__(self, layout: Layout, convert: frozenset[str], probes: dict[int, Any]):
+    def __init__(self, layout: Layout, convert: frozenset[str], probes: dict[int, Any], partial=frozenset()):
         self.layout, self.convert, self.probes = layout, convert, probes
         self.data = frozenset(layout.data)
         self.rows = layout.rows
+        self.partial = partial  # ids of contractions left unreduced (a custom rule's backward pass, _custom)
+
+    def derived(self, partial: frozenset[int]) -> Interpreter:
+        """This interpreter with these contractions left ``unreduced`` (``_custom``)."""
+        return Interpreter(self.layout, self.convert, self.probes, partial)
 
     # ------------------------------------------------------------------ the loop
 
@@ -248,6 +254,12 @@ class Interpreter:
 
     def equation(self, eqn, invals, lineage):
         name = eqn.primitive.name
+        if id(eqn) in self.partial:
+            return _custom.contract_partial(self, eqn, invals)
+        if self.partial:
+            eqn_params = _custom.keep_unreduced(eqn, invals)
+            if eqn_params is not None:
+                return self.bind(eqn, invals, eqn_params)
         rule = RULES.get("remat" if _plan.is_remat(name) else name)
         if rule is not None:
             return rule(self, eqn, invals, lineage)
@@ -341,19 +353,29 @@ class Interpreter:
         return self.eval(inner, consts, invals, _inner_lineage(inner, lineage))
 
     def custom(self, eqn, invals, reduced_in: bool):
-        """A ``custom_jvp``/``custom_vjp`` call: on ``reduced`` values the implied local rule; traced on Auto
-        axes, its jaxprs re-evaluated here too; else bound as traced."""
-        if reduced_in:
-            return _local.local(self, eqn, invals)
-        if not self.convert:
+        """A ``custom_jvp``/``custom_vjp`` call, its traced jaxprs (the function, its JVP rule or forward pass)
+        re-evaluated with these rules. On ``reduced`` values alone (a rule of the parameters): their copies kept
+        apart as through any equation (``_local``). On a parameter and the rows: the rule on plain values, its
+        backward pass per copy (``_custom``)."""
+        if not reduced_in and not self.convert:
             return self.bind(eqn, invals)
         params = _compat.custom_call_bind_params(
             eqn,
             lambda j, c, a: self.eval(j, [self.constant(x) for x in c], a),
-            self.traced_mesh,
+            self.traced_mesh if self.convert else contextlib.nullcontext,
             bwd_auto_axes=tuple(sorted(self.convert)),
         )
-        return eqn.primitive.bind(*invals, **params)
+        bound = lambda *xs: eqn.primitive.bind(*xs, **params)  # noqa: E731
+        if not reduced_in:
+            return bound(*invals)
+        if not any(self.data & _layout.axes_of(x) for x in invals if not _layout.reduced_axes(x)):
+            return _local.local(self, eqn, invals)  # of the parameters alone: its VJP per copy, as any equation's
+        if not self.convert and eqn.primitive.name != "custom_jvp_call":
+            for x, v in zip(invals, eqn.invars, strict=True):
+                traced = getattr(getattr(getattr(v, "aval", None), "sharding", None), "spec", None)
+                if traced is not None and hasattr(x, "shape") and _layout.partitions(x) != _pad(traced, jnp.ndim(x)):
+                    raise ValueError(_local.custom_refusal())  # its backward rule is typed for the FSDP shards
+        return _custom.per_copy(self, bound, eqn, invals)
 
     def gather(self, x: Any, lineage: frozenset) -> Any:
         """An FSDP leaf's value gathered off the data axes as a ``reduced`` copy, through its probe."""
@@ -434,10 +456,25 @@ class Interpreter:
         )
 
     def cond(self, eqn, invals, lineage):
+        """``cond``/``switch``, its branches re-evaluated. A branch of the parameters gives a ``reduced`` output
+        where another gives a plain one (a constant): every branch's output is cast to the ``reduced`` type, so
+        that the branches agree (the constant's cotangent is dropped with it)."""
         branches = [
             lambda *ops, b=b: self.eval(b.jaxpr, b.consts, list(ops), _inner_lineage(b.jaxpr, lineage[1:]))
             for b in eqn.params["branches"]
         ]
+        types = [jax.eval_shape(branch, *invals[1:]) for branch in branches]
+        reduced = [frozenset().union(*(_layout.reduced_axes(t[i]) for t in types)) for i in range(len(types[0]))]
+        if any(reduced):
+
+            def agreeing(branch):
+                def run(*ops):
+                    outs = branch(*ops)
+                    return [_as_reduced_over(o, r) for o, r in zip(outs, reduced, strict=True)]
+
+                return run
+
+            branches = [agreeing(b) for b in branches]
         return lax.switch(invals[0], branches, *invals[1:])
 
     def remat(self, eqn, invals, lineage):
@@ -449,19 +486,35 @@ class Interpreter:
         return jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))(*invals)
 
     def shard_map(self, eqn, invals, lineage=None):
-        """A ``shard_map`` in the loss: ``reduced`` inputs get ``reduced`` in specs (over its manual data axes)."""
+        """A ``shard_map`` in the loss taking ``reduced`` inputs (parameters). Over manual axes the rows are split
+        over, each device's block is its own copy: the input goes in as the stacked copies, a block per device,
+        whose cotangents come back as the per-device partials (``_local.copies``). Over other manual axes (a
+        model axis) it goes in ``reduced``, its in spec saying so."""
         if not any(_layout.reduced_axes(x) for x in invals):
             return self.bind(eqn, invals)
         params = eqn.params
-        manual = frozenset(params.get("manual_axes", params.get("axis_names", ())))
-        in_specs = []
+        manual = _compat.shard_map_manual_axes(params)
+        if not manual & self.rows:  # over model or stage axes: JAX takes reduced in specs only when fully manual
+            return _local.local(self, eqn, invals)
+        in_specs, args, stacked = [], [], []
         for x, spec in zip(invals, params["in_specs"], strict=True):
             red = _layout.reduced_axes(x)
-            in_specs.append(P(*spec.partitions, reduced=red) if red else spec)
+            per_device = red & manual & self.rows
+            if per_device:
+                copies, entry = _local.copies(self.layout, x, per_device)
+                args.append(copies)
+                in_specs.append(P(entry, *spec))
+            else:
+                args.append(x)
+                in_specs.append(P(*spec, reduced=red) if red else spec)
+            stacked.append(bool(per_device))
         body = params["jaxpr"]
         inner = getattr(body, "jaxpr", body)
         consts = getattr(body, "consts", ())
-        fn = lambda *args: self.eval(inner, consts, list(args))  # noqa: E731
+
+        def fn(*xs):
+            return tuple(self.eval(inner, consts, [x[0] if s else x for x, s in zip(xs, stacked, strict=True)]))
+
         out = jax.shard_map(
             fn,
             mesh=params["mesh"],
@@ -469,8 +522,17 @@ class Interpreter:
             out_specs=tuple(params["out_specs"]),
             axis_names=manual,
             check_vma=params.get("check_vma", params.get("check_rep", True)),
-        )(*invals)
+        )(*args)
         return list(out)
+
+    def pvary(self, eqn, invals, lineage=None):
+        """``pvary`` (invariant → varying) on a value already varying over those axes (a parameter's copy, one per
+        device, in a ``shard_map`` over the row axes): the identity over them."""
+        (x,) = invals
+        axes = tuple(a for a in eqn.params["axes"] if a not in _compat.varying_axes(x))
+        if len(axes) == len(eqn.params["axes"]):
+            return self.bind(eqn, invals)
+        return self.bind(eqn, invals, dict(eqn.params, axes=axes)) if axes else x
 
 
 # The rule table: primitive name -> Interpreter method (every other equation is bound as traced, with the
@@ -484,6 +546,7 @@ RULES: dict[str, Any] = {
     "cond": Interpreter.cond,
     "remat": Interpreter.remat,
     "shard_map": Interpreter.shard_map,
+    "pvary": Interpreter.pvary,
 }
 
 
@@ -501,6 +564,18 @@ def _aligned(invals: list[Any]) -> list[Any] | None:
         else x
         for x in invals
     ]
+
+
+def _pad(spec: Any, ndim: int) -> tuple[Any, ...]:
+    parts = tuple(spec)
+    return parts + (None,) * (ndim - len(parts))
+
+
+def _as_reduced_over(x: Any, axes: frozenset[str]) -> Any:
+    """``x`` typed ``reduced`` over ``axes`` (a free cast of a value replicated over them); as it is if it is."""
+    if not axes or _layout.reduced_axes(x) >= axes or not hasattr(x, "shape"):
+        return x
+    return jax.reshard(x, P(*_layout.partitions(x), reduced=_layout.reduced_axes(x) | axes))
 
 
 def _off_axes(x: Any, axes: frozenset[str]) -> Any:

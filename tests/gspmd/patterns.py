@@ -48,6 +48,7 @@ class Pattern:
     mesh_shape: tuple[int, ...] = (4, 2)
     axis_names: tuple[str, ...] = ("data", "model")
     data_axes: Any = "data"
+    copies: Callable[..., Any] | None = None  # the per-copy loss, where apply couples the rows (batch norm)
 
     @property
     def shards(self) -> int:
@@ -58,6 +59,8 @@ class Pattern:
         return self.head(self.apply(p, *batch), p, *batch)
 
     def copies_loss(self, stack, *batch):
+        if self.copies is not None:
+            return self.copies(stack, *batch)
         n = self.shards
         split = [b.reshape(n, b.shape[0] // n, *b.shape[1:]) for b in batch]
         outs = jax.vmap(self.apply)(stack, *split)
@@ -275,3 +278,217 @@ def hsdp(data_axes: Any = "data") -> Pattern:
         data_axes=data_axes,
     )
     return pattern
+
+
+def kernel_data(x, w):
+    """A kernel written with ``shard_map`` over the data axes, taking a parameter (a Pallas matmul's shape)."""
+    if not on_mesh():
+        return x @ w
+    return jax.shard_map(
+        lambda xb, wb: xb @ wb, in_specs=(P("data", None), P()), out_specs=P("data", None), axis_names={"data"}
+    )(x, w)
+
+
+def kernel_experts(x, w, manual_data: bool = True):
+    """An expert block written with ``shard_map`` over the model axis (and the data axis where ``manual_data``):
+    each device applies its experts to the rows (``w``: ``(E, D, H)`` over ``model``); out ``(B, E, H)``."""
+    if not on_mesh():
+        return jnp.einsum("bd,edh->beh", x, w)
+    rows = "data" if manual_data else None
+    return jax.shard_map(
+        lambda xb, wb: jnp.einsum("bd,edh->beh", xb, wb),
+        in_specs=(P(rows), P("model", None, None)),
+        out_specs=P(rows, "model", None),
+        axis_names={"model", "data"} if manual_data else {"model"},
+    )(x, w)
+
+
+def kernels(manual_data: bool = True) -> Pattern:
+    rng = _rng(6)
+    params = {
+        "w1": (rng.normal(size=(D, H)) / 3).astype(np.float32),
+        "experts": (rng.normal(size=(E, H, H)) / 4).astype(np.float32),
+        "w2": (rng.normal(size=(H, C)) / 4).astype(np.float32),
+    }
+    layouts = {
+        "replicated": {"w1": P(), "experts": P("model", None, None), "w2": P()},
+    }
+
+    def apply(p, x, y):
+        h = jnp.tanh(kernel_data(x, p["w1"]))
+        mixed = jnp.mean(jax.nn.relu(kernel_experts(h, p["experts"], manual_data)), axis=1)
+        return mm("bh,hc->bc", put(mixed, P("data", None)) if on_mesh() else mixed, p["w2"], P("data", None))
+
+    return Pattern(params, layouts, _classify(6), apply, lambda out, p, x, y: _xent(out, y))
+
+
+def pipeline(manual_data: bool = False) -> Pattern:
+    """Two pipeline stages: the weights ``(2, D, D)`` over ``stage``, a ``shard_map`` over it whose ``lax.scan``
+    runs each stage in turn and passes the activations on with ``ppermute``; the rows over ``data``, which the
+    ``shard_map`` makes manual too where ``manual_data``."""
+    rng = _rng(7)
+    params = {
+        "stages": (rng.normal(size=(2, D, D)) / 3).astype(np.float32),
+        "head": (rng.normal(size=(D, C)) / 3).astype(np.float32),
+    }
+
+    def stages(w, x):
+        if not on_mesh():
+            return jnp.tanh(jnp.tanh(x @ w[0]) @ w[1])
+
+        def body(ws, h):
+            s = jax.lax.axis_index("stage")
+            h = jax.lax.pcast(h, "stage", to="varying")
+
+            def step(h, t):
+                h = jnp.where(s == t, jnp.tanh(h @ ws[0]), h)
+                return jax.lax.ppermute(h, "stage", [(0, 1), (1, 0)]), None
+
+            h, _ = jax.lax.scan(step, h, jnp.arange(2))
+            return jax.lax.psum(jnp.where(s == 0, h, jnp.zeros_like(h)), "stage")
+
+        if manual_data:
+            return jax.shard_map(
+                body, in_specs=(P("stage", None, None), P("data")), out_specs=P("data"), axis_names={"stage", "data"}
+            )(w, x)
+        return jax.shard_map(body, in_specs=(P("stage", None, None), P()), out_specs=P(), axis_names={"stage"})(w, x)
+
+    def apply(p, x, y):
+        return mm("bd,dc->bc", stages(p["stages"], x), p["head"], P("data", None))
+
+    return Pattern(
+        params,
+        {"stages": {"stages": P("stage", None, None), "head": P()}},
+        _classify(7),
+        apply,
+        lambda out, p, x, y: _xent(out, y),
+        axis_names=("data", "stage"),
+    )
+
+
+def cond_constant_branch() -> Pattern:
+    """``lax.cond`` with one branch of the parameters and the other a constant (a regulariser switched on)."""
+    rng = _rng(8)
+    params = _mlp_params(rng)
+
+    def apply(p, x, y):
+        h = jnp.tanh(mm("bd,dh->bh", x, p["w1"], P("data", col_of(p["w1"]))))
+        return mm("bh,hc->bc", h, p["w2"], P("data", None))
+
+    def head(out, p, x, y):
+        reg = jax.lax.cond(jnp.sum(y) > 0, lambda w: 1e-2 * jnp.sum(w**2), lambda w: jnp.float32(0.0), p["w2"])
+        return _xent(out, y) + reg
+
+    return Pattern(params, LAYOUTS_MLP, _classify(8), apply, head)
+
+
+@jax.custom_jvp
+def batch_norm(h, gamma):
+    """Batch norm over the rows, scaled by a parameter: a custom_jvp whose rule is its true derivative."""
+    mean = jnp.mean(h, axis=0)
+    var = jnp.mean((h - mean) ** 2, axis=0)
+    return gamma * (h - mean) / jnp.sqrt(var + 1e-3)
+
+
+@batch_norm.defjvp
+def _batch_norm_jvp(primals, tangents):
+    h, gamma = primals
+    dh, dgamma = tangents
+    mean = jnp.mean(h, axis=0)
+    centred = h - mean
+    var = jnp.mean(centred**2, axis=0)
+    inv = 1 / jnp.sqrt(var + 1e-3)
+    normed = centred * inv
+    dcentred = dh - jnp.mean(dh, axis=0)
+    dvar = 2 * jnp.mean(centred * dcentred, axis=0)
+    dnormed = dcentred * inv - centred * inv**3 * dvar / 2
+    return gamma * normed, dgamma * normed + gamma * dnormed
+
+
+def _ste_matmul(quantize_x, quantize_w):
+    """``x @ w`` through quantizers, as AQT writes it: a custom_vjp whose backward pass is straight through."""
+
+    @jax.custom_vjp
+    def matmul(x, w):
+        return mm("bd,dh->bh", quantize_x(x), quantize_w(w), P("data", col_of(w)))
+
+    def fwd(x, w):
+        return matmul(x, w), (x, w)
+
+    def bwd(res, ct):
+        x, w = res
+        w_spec = jax.typeof(w).sharding.spec if on_mesh() else None
+        return mm("bh,dh->bd", ct, w, P("data", None)), mm("bd,bh->dh", x, ct, w_spec)
+
+    matmul.defvjp(fwd, bwd)
+    return matmul
+
+
+def _pow2(scale):
+    """Scales rounded up to a power of two (AQT's option): quantizing is then exact in float arithmetic, so the
+    global and the per-copy computations round every value alike."""
+    return 2.0 ** jnp.ceil(jnp.log2(scale + 1e-30))
+
+
+def _per_row_int8(x):
+    scale = _pow2(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127)
+    return jnp.round(x / scale) * scale
+
+
+def _per_column_int8(w):
+    scale = _pow2(jnp.max(jnp.abs(w), axis=0, keepdims=True) / 127)
+    return jnp.round(w / scale) * scale
+
+
+def _per_tensor_int4(x, scale=None):
+    """``scale``: the whole tensor's (the per-copy reference quantizes a shard's rows with the batch's scale)."""
+    scale = _pow2(jnp.max(jnp.abs(x)) / 7) if scale is None else scale  # over the whole tensor: couples the rows
+    return jnp.round(x / scale) * scale
+
+
+QUANTIZERS = {  # (x's, w's)
+    "linear": (lambda x: x, lambda w: w),
+    "aqt_per_row_int8": (_per_row_int8, _per_column_int8),
+    "per_tensor_int4": (_per_tensor_int4, _per_tensor_int4),
+}
+RULES = {kind: _ste_matmul(*q) for kind, q in QUANTIZERS.items()}
+
+
+def custom_rule(kind: str) -> Pattern:
+    """A custom rule applied to a parameter: batch norm with a true-derivative custom_jvp (couples the rows), or a
+    matmul with a straight-through custom_vjp (``linear``; AQT per-row int8; per-tensor int4)."""
+    rng = _rng(9)
+    params = _mlp_params(rng, gamma=np.ones(H) + 0.1 * rng.normal(size=(H,)))
+    layouts = _with(LAYOUTS_MLP, gamma=lambda name: P("model") if name == "TP" else P())
+
+    def apply(p, x, y):
+        hid = col_of(p["w1"])
+        if kind == "batch_norm":
+            h = jnp.tanh(batch_norm(mm("bd,dh->bh", x, p["w1"], P("data", hid)), p["gamma"]))
+        else:
+            h = jnp.tanh(RULES[kind](x, p["w1"]) * p["gamma"])
+        return mm("bh,hc->bc", h, p["w2"], P("data", None))
+
+    def copies(stack, x, y):  # the rows couple in the forward pass: each row through its shard's copy
+        n = stack["w1"].shape[0]
+        rows = lambda a: jnp.repeat(a, x.shape[0] // n, axis=0)  # noqa: E731 - a copy per row
+        if kind == "batch_norm":
+            h = jnp.tanh(batch_norm(jnp.einsum("bd,bdh->bh", x, rows(stack["w1"])), rows(stack["gamma"])))
+        else:  # each shard's rows through their copy of the rule, x quantized with the whole batch's scale
+            quantize_x, quantize_w = QUANTIZERS[kind]
+            if kind == "per_tensor_int4":
+                scale = _pow2(jnp.max(jnp.abs(x)) / 7)
+                quantize_x = lambda xs: _per_tensor_int4(xs, scale)  # noqa: E731
+            rule = _ste_matmul(quantize_x, quantize_w)
+            h = jax.vmap(rule)(x.reshape(n, -1, x.shape[1]), stack["w1"]).reshape(x.shape[0], -1)
+            h = jnp.tanh(h * rows(stack["gamma"]))
+        return _xent(jnp.einsum("bh,bhc->bc", h, rows(stack["w2"])), y)
+
+    return Pattern(
+        params,
+        layouts,
+        _classify(9),
+        apply,
+        lambda out, p, x, y: _xent(out, y),
+        copies=copies,
+    )

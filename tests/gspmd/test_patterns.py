@@ -57,3 +57,41 @@ def test_sequence_parallelism():
 @pytest.mark.parametrize("data_axes", ["data", ("data", "fsdp")])
 def test_hsdp(data_axes):
     check(patterns.hsdp(data_axes), "HSDP")
+
+
+def test_shard_map_kernels_taking_parameters():
+    """A matmul kernel manual over the data axis and an expert block manual over (model, data), both taking
+    parameters: each device gets its own copy, exact."""
+    check(patterns.kernels(), "replicated")
+
+
+def test_an_expert_block_manual_over_the_model_axis_alone_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"shard_map that is manual over other axes.*manual over the data axes too"):
+        run(patterns.kernels(manual_data=False), "replicated")
+
+
+def test_pipeline_stages_manual_over_the_data_axes_too():
+    check(patterns.pipeline(manual_data=True), "stages")
+
+
+def test_pipeline_stages_manual_over_the_stage_axis_alone_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"shard_map that is manual over other axes.*manual over the data axes too"):
+        run(patterns.pipeline(), "stages")
+
+
+@pytest.mark.parametrize("layout", ["replicated", "TP", "FSDP"])
+def test_cond_with_a_constant_branch(layout):
+    check(patterns.cond_constant_branch(), layout)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "TP", "FSDP"])
+@pytest.mark.parametrize("kind", ["batch_norm", "linear", "aqt_per_row_int8", "per_tensor_int4"])
+def test_custom_rules_on_parameters(kind, layout):
+    """A custom_jvp batch norm taking (rows, γ) whose rule couples the rows; straight-through custom_vjp matmuls
+    (plain, AQT per-row int8, per-tensor int4): each rule's own backward pass, per copy. A custom_vjp applied to
+    an FSDP parameter before its gather is refused: its backward rule is typed for the shards."""
+    if layout == "FSDP" and kind != "batch_norm":
+        with pytest.raises(ValueError, match=r"custom_vjp.*Gather the parameter first"):
+            run(patterns.custom_rule(kind), layout)
+        return
+    check(patterns.custom_rule(kind), layout)
