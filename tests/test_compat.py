@@ -33,7 +33,8 @@ def test_shard_map_manual_axes_are_the_axes_the_equation_makes_manual():
         def f(x):
             return jax.shard_map(lambda b: b * 2, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"})(x)
 
-        jaxpr = jax.make_jaxpr(f)(jnp.ones(4)).jaxpr
+        x = jax.device_put(jnp.ones(4), jax.sharding.NamedSharding(mesh, P("stage")))
+        jaxpr = jax.make_jaxpr(f)(x).jaxpr
     (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     assert _compat.shard_map_manual_axes(eqn.params) == frozenset({"stage"})
 
