@@ -198,6 +198,64 @@ class _LocalVJP:
 
 
 def _per_shard_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
+    try:
+        return _per_device_vjp(layout, vjp, plain, cts, red)
+    except Exception:  # noqa: BLE001 - a block not valid on its own (an op with sharding parameters): vmap below
+        return _per_shard_vmap(layout, vjp, plain, cts, red)
+
+
+def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
+    """The VJP on each device's own rows, in a ``shard_map`` manual over the data axes (no collective: each data
+    shard's rows, partial cotangent and parameter copy are on its devices)."""
+    data, entry = frozenset(layout.data), layout.data_spec
+
+    def row_spec(x: Any) -> P | None:
+        if not hasattr(x, "shape") or not jnp.ndim(x):
+            return None
+        parts = _layout.partitions(x)
+        if not any(data & set(_layout.spec_axes(e)) for e in parts):
+            return None
+        if any(data & set(_layout.spec_axes(e)) and tuple(_layout.spec_axes(e)) != layout.data for e in parts):
+            raise ValueError("rows split over more than the data axes in one dimension")
+        return P(*(entry if data & set(_layout.spec_axes(e)) else None for e in parts))
+
+    args, specs, kinds = [], [], []
+    for x in [*plain, *cts]:
+        if hasattr(x, "shape") and _layout.unreduced_axes(x) & data:
+            args.append(_stack(layout, x))
+            specs.append(P(entry))
+            kinds.append("partial")
+        elif (spec := row_spec(x)) is not None:
+            args.append(x)
+            specs.append(spec)
+            kinds.append("rows")
+        else:
+            args.append(x)
+            specs.append(P())
+            kinds.append("whole")
+    out_specs = [row_spec(x) if k == "rows" and not r else P(entry) for x, k, r in zip(plain, kinds, red)]
+    n = len(plain)
+
+    def body(*blocks):
+        local = [b[0] if k == "partial" else b for b, k in zip(blocks, kinds, strict=True)]
+        grads = vjp(local[:n], local[n:])
+        return [g if spec != P(entry) else g[None] for g, spec in zip(grads, out_specs, strict=True)]
+
+    grads = jax.shard_map(
+        body, mesh=layout.mesh, in_specs=tuple(specs), out_specs=out_specs, axis_names=data, check_vma=False
+    )(*args)
+    out = []
+    for g, x, r, spec in zip(grads, plain, red, out_specs, strict=True):
+        if r:
+            out.append(_unstack(layout, g, x))  # a reduced input: each device's partial
+        elif spec == P(entry):
+            out.append(jnp.sum(g, axis=0))  # a replicated input: the reduction JAX's own transpose would do
+        else:
+            out.append(g)  # a data-sharded input: its rows, in place
+    return out
+
+
+def _per_shard_vmap(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
     res = [_Stacked.of(layout, x) for x in plain]
     cot = [_Stacked.of(layout, c) for c in cts]
     axes = [0 if r.stacked else None for r in res]

@@ -104,6 +104,14 @@ def _rule(eqn, ins: list[frozenset[int]], row_axes: frozenset[str]) -> list[froz
         out |= {len(lb) + free_l.index(d) for d in ins[0] if d in free_l}
         out |= {len(lb) + len(free_l) + free_r.index(d) for d in ins[1] if d in free_r}
         return [frozenset(out)]
+    if name == "conv_general_dilated":
+        dn = p["dimension_numbers"]
+        lhs_batch, out_batch = dn.lhs_spec[0], dn.out_spec[0]
+        if ins[1] or ins[0] - {lhs_batch}:
+            return "conv_general_dilated over the rows"
+        if p.get("batch_group_count", 1) != 1:
+            return "conv_general_dilated grouping the rows"
+        return [frozenset({out_batch}) if ins[0] else frozenset()]
     if name == "broadcast_in_dim":
         dims = p["broadcast_dimensions"]
         return [frozenset(dims[d] for d in ins[0])] + [frozenset()] * (len(eqn.outvars) - 1)

@@ -492,3 +492,24 @@ def custom_rule(kind: str) -> Pattern:
         lambda out, p, x, y: _xent(out, y),
         copies=copies,
     )
+
+
+def conv() -> Pattern:
+    """A 1-D convolution over each row's sequence (its kernel a parameter), then a classifier: JAX has no reduced rule
+    for ``conv_general_dilated``, which is local to the rows (its batch dimension): each device's VJP on its rows."""
+    rng = _rng(10)
+    T = 8
+    params = {
+        "kernel": (rng.normal(size=(3, D, H)) / 4).astype(np.float32),
+        "w2": (rng.normal(size=(H, C)) / 4).astype(np.float32),
+    }
+    x = rng.normal(size=(B, T, D)).astype(np.float32)
+    y = rng.integers(0, C, size=(B,)).astype(np.int32)
+
+    def apply(p, x, y):
+        h = jax.lax.conv_general_dilated(x, p["kernel"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
+        return mm("bh,hc->bc", jnp.mean(jnp.tanh(h), axis=1), p["w2"], P("data", None))
+
+    return Pattern(
+        params, {"replicated": {"kernel": P(), "w2": P()}}, (x, y), apply, lambda out, p, x, y: _xent(out, y)
+    )

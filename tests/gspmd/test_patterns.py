@@ -95,3 +95,7 @@ def test_custom_rules_on_parameters(kind, layout):
             run(patterns.custom_rule(kind), layout)
         return
     check(patterns.custom_rule(kind), layout)
+
+
+def test_a_convolution_runs_its_vjp_on_each_devices_rows():
+    check(patterns.conv(), "replicated")
