@@ -206,8 +206,11 @@ def _per_shard_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: l
 
 def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
     """The VJP on each device's own rows, in a ``shard_map`` manual over the data axes (no collective: each data
-    shard's rows, partial cotangent and parameter copy are on its devices)."""
+    shard's rows, partial cotangent and parameter copy are on its devices). Operands split over a model axis too
+    would be gathered over it at the ``shard_map``: those take the ``vmap`` path."""
     data, entry = frozenset(layout.data), layout.data_spec
+    if any(_layout.axes_of(x) - data for x in [*plain, *cts] if hasattr(x, "shape")):
+        raise ValueError("an operand split over a model axis: the shard_map would gather it (vmap instead)")
 
     def row_spec(x: Any) -> P | None:
         if not hasattr(x, "shape") or not jnp.ndim(x):
