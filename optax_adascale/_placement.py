@@ -161,7 +161,9 @@ def transfer_state(opt_state: Any, target: Any) -> Any:
     :func:`replicate_buffers` if needed); every field is copied from
     ``opt_state`` except the accumulation buffers, which keep ``target``'s
     (zero) values. The moving averages are in base-batch units, so they stay
-    valid at the new scale: no reset, no rescaling.
+    valid at the new scale: no reset, no rescaling. A :class:`BatchRamp`'s state
+    is carried where both have one; into a ramp from a state without one, the
+    ramp starts at its lowest rung (``target``'s), and out of one it is dropped.
 
     Raises:
       ValueError: if ``opt_state`` is mid-accumulation (``micro_step > 0``),
@@ -192,6 +194,8 @@ def transfer_state(opt_state: Any, target: Any) -> Any:
         for f in _PER_REPLICA_FIELDS:
             fields[f] = getattr(s, f)
         fields["inner_state"] = _zero.recut(source.inner_state, s.inner_state)
+        if source.ramp is None or s.ramp is None:
+            fields["ramp"] = s.ramp
         return _conform(AdaScaleState(**fields), s)
 
     return _map_states(target, per_state, lambda x: x)
