@@ -7,6 +7,7 @@ import optax
 
 from optax_adascale._factories import adascale
 from optax_adascale.core import _checks, _options
+from optax_adascale.core._ramp import BatchRamp
 
 
 def _decayed_weights(weight_decay: Any) -> optax.GradientTransformation:
@@ -34,7 +35,7 @@ def adascale_sgd(
     weight_decay: float = 0.0,
     *,
     axis_name: str | tuple[str, ...] | None = None,
-    accumulation_steps: int = 1,
+    accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
     **options: Any,
@@ -108,7 +109,7 @@ def adascale_adamw(
     *,
     nesterov: bool = False,
     axis_name: str | tuple[str, ...] | None = None,
-    accumulation_steps: int = 1,
+    accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
     **options: Any,

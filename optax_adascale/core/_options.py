@@ -94,10 +94,9 @@ def create(
     nothing else (``TypeError``, as Python says for an unknown keyword).
     """
     ramp = accumulation_steps if isinstance(accumulation_steps, BatchRamp) else None
-    if ramp is not None:
-        accumulation_steps = 1
-    else:
+    if ramp is None:
         _checks.check_static_int("accumulation_steps", accumulation_steps, hint=_RAMP_HINT)
+    steps = 1 if ramp is not None else int(accumulation_steps)  # type: ignore[arg-type]
     _checks.check_number("scale", scale, low=1.0)
     _checks.check_bool("delayed_gain", delayed_gain)
     _checks.check_choice("averaging", averaging, est.AVERAGING_MODES)
@@ -118,7 +117,7 @@ def create(
         _check_ramp(ramp, scale, resolved)
     return Options(
         axis_name=axis_name,
-        accumulation_steps=accumulation_steps,
+        accumulation_steps=steps,
         scale=scale,
         estimator=resolved,
         param_labels=param_labels,
