@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from optax_adascale.core import _checks
 
@@ -37,14 +36,15 @@ class RampState(NamedTuple):
 
     Attributes:
       microbatches: int32 ``[]``, ``k_t``: micro-batches (calls) per replica in the update in progress.
-      rung_updates: int32 ``[]``, updates applied since ``k`` last changed.
+      streak: int32 ``[]``, consecutive applied updates whose target asked to move the same way (``+``: up,
+        ``−``: down); ``k`` moves when it reaches ``patience``.
       microbatches_seen: int32 ``[]``, calls so far (per replica): where the data loader stands.
       scale_per_microbatch: int32 ``[]``, samples one call adds to an update (replicas × micro-batches the call's
         statistics hold), so ``S_t = k_t ×`` this; 0 until the first call.
     """
 
     microbatches: Array
-    rung_updates: Array
+    streak: Array
     microbatches_seen: Array
     scale_per_microbatch: Array
 
@@ -94,7 +94,8 @@ class BatchRamp:
     * up to the largest rung ``≤ k*`` when that is above ``k``; down (to the largest rung ``≤ k*·h``) only once
       ``k* < k/h``, ``h = hysteresis``: between the two nothing moves, so it never oscillates between
       neighbouring rungs;
-    * only after ``patience`` updates at the current rung (the first decision after ``patience`` updates).
+    * only once ``patience`` consecutive updates have asked to move the same way, so that one noisy estimate
+      (early in a run, at a small ``n``) moves nothing.
 
     Args:
       min_microbatches: ``k`` at the start, the lowest rung (``≥ 1``; the update's ``n = k × replicas ×
@@ -106,7 +107,7 @@ class BatchRamp:
         (``S* = B + 2``); the default ``0.9`` spends at most about 11 % more examples per unit of ``τ`` than a
         step at ``S = 1`` (``benchmarks/ramp``).
       hysteresis: ``h ≥ 1``, the dead band of the target between going up and coming back down.
-      patience: updates at a rung before the next change (``≥ 1``).
+      patience: consecutive updates asking for a move before it is made (``≥ 1``).
       policy: ``None`` (measured, above) or a pure function ``RampInputs -> target k`` (a traced float), e.g. a
         fixed ramp over the examples seen (MaxText's rule) through the same mechanism.
 
@@ -186,7 +187,7 @@ def init_state(ramp: BatchRamp) -> RampState:
     """The ramp's state before the first call: ``k = min_microbatches``."""
     return RampState(
         microbatches=jnp.asarray(ramp.min_microbatches, jnp.int32),
-        rung_updates=jnp.zeros([], jnp.int32),
+        streak=jnp.zeros([], jnp.int32),
         microbatches_seen=jnp.zeros([], jnp.int32),
         scale_per_microbatch=jnp.zeros([], jnp.int32),
     )
@@ -217,13 +218,14 @@ def after_update(ramp: BatchRamp, state: RampState, inputs: RampInputs, applied:
     up = _rung_at_most(ladder, wanted)
     h = jnp.float32(ramp.hysteresis)
     down = _rung_at_most(ladder, wanted * h)
-    kf = k.astype(jnp.float32)
-    new = jnp.where(up > k, up, jnp.where(wanted * h < kf, down, k))
-    ready = jnp.isfinite(wanted) | (wanted == jnp.inf)
-    patient = optax.safe_increment(state.rung_updates) >= ramp.patience
-    move = applied & ready & patient & (new != k)
-    rung_updates = jnp.where(applied, optax.safe_increment(state.rung_updates), state.rung_updates)
+    valid = ~jnp.isnan(wanted)  # +inf (pure noise) asks for the top rung; NaN asks for nothing
+    wants_up = valid & (up > k)
+    wants_down = valid & ~wants_up & (wanted * h < k.astype(jnp.float32))
+    direction = jnp.where(wants_up, 1, jnp.where(wants_down, -1, 0)).astype(jnp.int32)
+    same_way = jnp.sign(state.streak) == direction
+    streak = jnp.where(direction == 0, 0, jnp.where(same_way, state.streak + direction, direction))
+    move = applied & (jnp.abs(streak) >= ramp.patience)
     return state._replace(
-        microbatches=jnp.where(move, new, k).astype(jnp.int32),
-        rung_updates=jnp.where(move, jnp.zeros_like(rung_updates), rung_updates),
+        microbatches=jnp.where(move, jnp.where(wants_up, up, down), k).astype(jnp.int32),
+        streak=jnp.where(applied & ~move, streak, jnp.where(move, 0, state.streak)).astype(jnp.int32),
     )

@@ -41,12 +41,13 @@ def inputs(noise_scale, *, per_microbatch=2, updates=10):
     )
 
 
-def decide(ramp, k, noise_scale, *, rung_updates=10, applied=True, per_microbatch=2):
+def decide(ramp, k, noise_scale, *, streak=0, applied=True, per_microbatch=2):
+    """``(k, streak)`` after one update; ``streak``: the consecutive updates that already asked to move."""
     state = _ramp.RampState(
-        jnp.asarray(k, jnp.int32), jnp.asarray(rung_updates, jnp.int32), jnp.int32(50), jnp.int32(per_microbatch)
+        jnp.asarray(k, jnp.int32), jnp.asarray(streak, jnp.int32), jnp.int32(50), jnp.int32(per_microbatch)
     )
     new = _ramp.after_update(ramp, state, inputs(noise_scale, per_microbatch=per_microbatch), jnp.bool_(applied))
-    return int(new.microbatches), int(new.rung_updates)
+    return int(new.microbatches), int(new.streak)
 
 
 # B → S* = (B + 1)/0.9 − B = B/9 + 10/9 → k* = S*/2 (two samples per micro-batch step) → the largest rung ≤ k*.
@@ -56,12 +57,12 @@ def decide(ramp, k, noise_scale, *, rung_updates=10, applied=True, per_microbatc
 )
 def test_the_measured_target_from_one_rung_is_the_largest_rung_within_the_efficiency(noise_scale, expected):
     # k* by hand: B = 10 → 1.11, 30 → 2.22, 60 → 3.89, 70 → 4.44, 130 → 7.78, 140 → 8.33, 280 → 16.1.
-    ramp = optax_adascale.BatchRamp(1, 16)
+    ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.9, patience=1)
     assert decide(ramp, 1, noise_scale)[0] == expected
 
 
 def test_the_critical_batch_efficiency_one_half_targets_b_plus_two():
-    ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.5)
+    ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.5, patience=1)
     assert decide(ramp, 1, 6.0, per_microbatch=1)[0] == 8  # S* = 6 + 2 = 8
     assert decide(ramp, 1, 5.9, per_microbatch=1)[0] == 4  # S* = 7.9
 
@@ -79,7 +80,7 @@ def test_the_critical_batch_efficiency_one_half_targets_b_plus_two():
     ],
 )
 def test_hysteresis_moves_up_at_the_next_rung_and_down_only_below_k_over_h(k, k_star, expected):
-    ramp = optax_adascale.BatchRamp(1, 16, policy=lambda inp: jnp.float32(k_star))
+    ramp = optax_adascale.BatchRamp(1, 16, patience=1, policy=lambda inp: jnp.float32(k_star))
     assert decide(ramp, k, 0.0)[0] == expected
 
 
@@ -92,16 +93,31 @@ def test_a_target_wandering_around_a_rung_boundary_changes_the_rung_once():
     assert history == [2, 4, 4, 4, 4, 4, 4, 4, 4, 4]  # default hysteresis 2: back to 2 only below k* = 2
 
 
-def test_patience_counts_updates_at_the_rung_before_a_change():
-    ramp = optax_adascale.BatchRamp(1, 16, patience=4)
-    assert decide(ramp, 1, 1e6, rung_updates=2) == (1, 3)  # this is the 3rd update at k = 1
-    assert decide(ramp, 1, 1e6, rung_updates=3) == (16, 0)  # the 4th: move, and the count restarts
+def test_patience_moves_only_after_consecutive_updates_ask_the_same_way():
+    up = optax_adascale.BatchRamp(1, 16, patience=4, policy=lambda inp: jnp.float32(16))
+    assert decide(up, 1, 0.0, streak=2) == (1, 3)  # the 3rd consecutive update asking to go up
+    assert decide(up, 1, 0.0, streak=3) == (16, 0)  # the 4th: move, and the streak restarts
+    assert decide(up, 1, 0.0, streak=-3) == (1, 1)  # it asked to go down before: a new streak
+    down = optax_adascale.BatchRamp(1, 16, patience=4, policy=lambda inp: jnp.float32(1))
+    assert decide(down, 8, 0.0, streak=-3) == (2, 0)  # down to the largest rung ≤ k*·h = 2
+    stay = optax_adascale.BatchRamp(1, 16, patience=4, policy=lambda inp: jnp.float32(6))
+    assert decide(stay, 4, 0.0, streak=3) == (4, 0)  # inside the dead band: the streak is broken
+
+
+def test_one_noisy_estimate_moves_nothing():
+    targets = [1.0, 1.0, 50.0, 1.0, 1.0, 1.0, 50.0, 50.0, 50.0, 50.0]  # a one-update spike, then a real change
+    k, streak, history = 1, 0, []
+    for t in targets:
+        ramp = optax_adascale.BatchRamp(1, 16, policy=lambda inp, t=t: jnp.float32(t))  # patience 4
+        k, streak = decide(ramp, k, 0.0, streak=streak)
+        history.append(k)
+    assert history == [1, 1, 1, 1, 1, 1, 1, 1, 1, 16]
 
 
 def test_a_skipped_update_or_a_nan_target_moves_nothing():
-    ramp = optax_adascale.BatchRamp(1, 16)
-    assert decide(ramp, 2, 1e6, applied=False) == (2, 10)
-    assert decide(ramp, 2, np.nan) == (2, 11)
+    ramp = optax_adascale.BatchRamp(1, 16, patience=2)
+    assert decide(ramp, 2, 1e6, applied=False, streak=1) == (2, 1)  # a skipped update leaves the streak be
+    assert decide(ramp, 2, np.nan, streak=1) == (2, 0)
 
 
 def test_the_default_ladder_is_the_powers_of_two_between_the_ends():
@@ -279,14 +295,14 @@ def backend_compiles(name):
 
 
 def test_a_whole_measured_ramp_from_the_lowest_rung_to_the_highest_compiles_once():
-    # The per-sample variance grows ×e every 67 calls: the noise scale B = 65σ²/64 climbs from 1 to ~400.
+    # The per-sample variance grows ×e every 100 calls: the noise scale B = 65σ²/64 climbs from 1 to ~1000.
     ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.5)  # the critical batch: k* = (B + 2)/2
     tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
     state, step = vmapped(tx, name="whole_ramp_step", params=WIDE)
     params, ks = WIDE, []
     with backend_compiles("whole_ramp_step") as compiles:
-        for call in range(400):
-            updates, state = step(noisy_grads(call, growth=0.015, dim=64), state, params)
+        for call in range(700):
+            updates, state = step(noisy_grads(call, growth=0.01, dim=64), state, params)
             params = optax.apply_updates(params, updates)
             if int(state.micro_step) == 0:
                 ks.append(int(state.ramp.microbatches))
