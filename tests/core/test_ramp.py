@@ -219,13 +219,10 @@ def train(tx, calls, **grads_kw):
     for call in range(calls):
         updates, state = step(noisy_grads(call, **grads_kw), state, params)
         params = optax.apply_updates(params, updates)
-        if tx_has_ramp(state) and int(state.micro_step) == 0:
-            ks.append(int(state.ramp.microbatches))
+        s = optax_adascale.get_adascale_state(state)
+        if s.ramp is not None and int(s.micro_step) == 0:
+            ks.append(int(s.ramp.microbatches))
     return params, state, ks
-
-
-def tx_has_ramp(state):
-    return optax_adascale.get_adascale_state(state).ramp is not None
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])
@@ -378,3 +375,36 @@ def test_transfer_state_into_and_out_of_a_ramp():
     assert int(moved.ramp.microbatches) == 2 and float(moved.tau_whole) == float(state.tau_whole)
     back = optax_adascale.transfer_state(moved, vmapped(static)[0])
     assert back.ramp is None and bits_equal(back.grad_var, state.grad_var)
+
+
+MOVING = dict(hysteresis=1.0, patience=1, policy=lambda inp: jnp.where(inp.updates % 4 < 2, 2.0, 1.0))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(shard_optimizer_state=R),
+        dict(param_labels={"w": "a", "b": "c"}),
+        dict(delayed_gain=True),
+        dict(inject=True),
+    ],
+    ids=["ZeRO", "param_labels", "delayed_gain", "inject_hyperparams"],
+)
+def test_a_ramp_composes_with_the_other_options(variant):
+    """The same ramp (k = 2, 2, 1, 1, ...) with ZeRO rows, labels, delayed gain or inject_hyperparams: one compile,
+    the same rungs, the gain in [1, S]; ZeRO and inject_hyperparams train as the plain ramp does."""
+    ramp = optax_adascale.BatchRamp(1, 2, **MOVING)
+    plain = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
+    variant = dict(variant)
+    if variant.pop("inject", False):
+        factory = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("learning_rate",))
+        tx = factory(learning_rate=0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
+    else:
+        tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp, **variant)
+    p_ref, _, ks_ref = train(plain, 18)
+    params, state, ks = train(tx, 18)
+    assert ks == ks_ref and set(ks) == {1, 2}
+    m = optax_adascale.metrics(state)
+    assert 1.0 <= float(m["gain"]) <= float(m["scale"])
+    if "param_labels" not in variant and "delayed_gain" not in variant:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, p_ref)
