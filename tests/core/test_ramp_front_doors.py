@@ -201,3 +201,34 @@ def test_gspmd_accumulated_statistics_are_those_of_the_accumulated_mean():
     np.testing.assert_allclose(m["grad_var"], var, rtol=1e-5)  # the first update's averages are its estimates
     np.testing.assert_allclose(m["grad_sqr"], b - var / n, rtol=1e-4)
     assert float(m["scale"]) == n
+
+
+def test_gspmd_buffers_lie_like_the_params_and_the_ramp_compiles_once():
+    """In a jit step over the global batch the accumulation buffer has no replica axis: state_partition_specs gives
+    it the parameter's spec (here split over the data axis, as FSDP would), so a trainer's jitted init puts the
+    state where the step leaves it and the whole ramp runs one program."""
+    mesh = jax.make_mesh((R,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:R])
+    param_specs = {"hidden": {"w": P(None, "data"), "b": P("data")}, "out": {"w": P("data", None), "b": P()}}
+    tx = make_tx(None)
+    specs = optax_adascale.state_partition_specs(jax.eval_shape(tx.init, init_mlp()), "data", param_specs, tx=tx)
+    state_specs = optax_adascale.get_adascale_state(specs)
+    assert state_specs.acc_grads == param_specs and state_specs.acc_sq_norm == P()
+    assert state_specs.ramp == optax_adascale.RampState(P(), P(), P(), P())
+    shard = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree)  # noqa: E731
+    grad_fn = optax_adascale.value_and_grad(mlp_loss, data_axes="data", mesh=mesh)
+
+    @jax.jit
+    def ramp_step(params, state, x, y):
+        _, grads, stats = grad_fn(params, x, y)
+        updates, state = tx.update(grads, state, params, microbatch_stats=stats)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(ramp_step, out_shardings=(shard(param_specs), shard(specs)))
+    params = jax.device_put(init_mlp(), shard(param_specs))
+    state = jax.jit(tx.init, out_shardings=shard(specs))(params)
+    _, _, _, put = gspmd_setup()
+    with jax.set_mesh(mesh):
+        params, state, ks = loop(step, params, state, put)
+    assert ks == EXPECTED_KS and step._cache_size() == 1
+    leaf = optax_adascale.get_adascale_state(state).acc_grads["hidden"]["w"]
+    assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data")), leaf.ndim)
