@@ -10,7 +10,7 @@ arm); only how many calls make an update differs:
 * ``linear-f``: MaxText's rule, ``k`` from 1 to 16 in unit increments, linear in the examples seen, reaching 16
   after ``f·T`` base batches (``f`` ∈ {0.25, 0.5, 1}): ``BatchRamp(1, 16, ladder=1…16, policy=…)``;
 * ``seesaw``: ``k`` doubles each time the schedule's ``lr(τ)`` halves (Seesaw, 2025), up to 16;
-* ``measured-e``: ``BatchRamp(1, 16, efficiency=e)`` (powers of two, hysteresis 2, patience 4), ``e`` ∈
+* ``measured-e``: ``BatchRamp(1, 16, efficiency=e)`` (powers of two, hysteresis 2, patience 64 samples), ``e`` ∈
   {0.5, 0.7, 0.9}; ``e = 0.5`` is the critical batch (McCandlish et al. 2018).
 
 A run is one jitted program (``lax.scan`` over evaluation points in ``τ``, each a ``lax.while_loop`` of calls);

@@ -36,8 +36,8 @@ class RampState(NamedTuple):
 
     Attributes:
       microbatches: int32 ``[]``, ``k_t``: micro-batches (calls) per replica in the update in progress.
-      streak: int32 ``[]``, consecutive applied updates whose target asked to move the same way (``+``: up,
-        ``−``: down); ``k`` moves when it reaches ``patience``.
+      streak: int32 ``[]``, the gradient samples of the consecutive applied updates whose target asked to move
+        the same way (``+``: up, ``−``: down); ``k`` moves when ``|streak|`` reaches ``patience``.
       microbatches_seen: int32 ``[]``, calls so far (per replica): where the data loader stands.
       scale_per_microbatch: int32 ``[]``, samples one call adds to an update (replicas × micro-batches the call's
         statistics hold), so ``S_t = k_t ×`` this; 0 until the first call.
@@ -94,8 +94,10 @@ class BatchRamp:
     * up to the largest rung ``≤ k*`` when that is above ``k``; down (to the largest rung ``≤ k*·h``) only once
       ``k* < k/h``, ``h = hysteresis``: between the two nothing moves, so it never oscillates between
       neighbouring rungs;
-    * only once ``patience`` consecutive updates have asked to move the same way, so that one noisy estimate
-      (early in a run, at a small ``n``) moves nothing.
+    * only once consecutive updates holding ``patience`` gradient samples in all have asked to move the same
+      way. The evidence is counted in samples because an update of ``n`` samples measures the noise ``n``
+      times better: at ``n = 2`` (early in a run) the default 64 takes 32 updates, which a spike of the noise
+      scale (its estimate is heavy-tailed where ``μ̄²`` is small) does not outlast; at ``n = 64``, one update.
 
     Args:
       min_microbatches: ``k`` at the start, the lowest rung (``≥ 1``; the update's ``n = k × replicas ×
@@ -107,7 +109,8 @@ class BatchRamp:
         (``S* = B + 2``); the default ``0.9`` spends at most about 11 % more examples per unit of ``τ`` than a
         step at ``S = 1`` (``benchmarks/ramp``).
       hysteresis: ``h ≥ 1``, the dead band of the target between going up and coming back down.
-      patience: consecutive updates asking for a move before it is made (``≥ 1``).
+      patience: gradient samples (``≥ 1``) that consecutive updates must hold, all asking for the same move,
+        before it is made.
       policy: ``None`` (measured, above) or a pure function ``RampInputs -> target k`` (a traced float), e.g. a
         fixed ramp over the examples seen (MaxText's rule) through the same mechanism.
 
@@ -142,7 +145,7 @@ class BatchRamp:
     ladder: tuple[int, ...] | None = None
     efficiency: float = 0.9
     hysteresis: float = 2.0
-    patience: int = 4
+    patience: int = 64
     policy: Callable[[RampInputs], Any] | None = None
 
     def __post_init__(self) -> None:
@@ -222,8 +225,9 @@ def after_update(ramp: BatchRamp, state: RampState, inputs: RampInputs, applied:
     wants_up = valid & (up > k)
     wants_down = valid & ~wants_up & (wanted * h < k.astype(jnp.float32))
     direction = jnp.where(wants_up, 1, jnp.where(wants_down, -1, 0)).astype(jnp.int32)
+    samples = inputs.microbatches * inputs.scale_per_microbatch  # n of the update just applied
     same_way = jnp.sign(state.streak) == direction
-    streak = jnp.where(direction == 0, 0, jnp.where(same_way, state.streak + direction, direction))
+    streak = jnp.where(direction == 0, 0, jnp.where(same_way, state.streak, 0) + direction * samples)
     move = applied & (jnp.abs(streak) >= ramp.patience)
     return state._replace(
         microbatches=jnp.where(move, jnp.where(wants_up, up, down), k).astype(jnp.int32),
