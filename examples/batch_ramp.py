@@ -14,7 +14,7 @@ when ``k_t`` micro-batches are in::
         params, opt_state = step(params, opt_state, *stream.microbatch(position))
 
 ``k_t`` is a traced value in the optimizer state, chosen after each update from the measured noise scale
-``B = σ̄²/μ̄²`` (the largest power of two whose step is still worth ≥ 90 % of ``S`` base steps), so the step
+``B = σ̄²/μ̄²`` (the largest power of two whose step is still worth ≥ 60 % of ``S`` base steps), so the step
 compiles once for the whole ramp: ``S_t = 4·k_t`` goes from 4 to 64 base batches while AdaScale's gain keeps the
 step right and ``τ`` keeps the schedule's clock. The loader never drops or repeats an example: call ``i`` reads
 rows ``[i·M, (i+1)·M)`` of a per-epoch permutation (``M`` the global micro-batch), whatever ``k``, and its

@@ -126,7 +126,11 @@ def adascale_adamw(
     S = 4 and 16 (3 seeds) where square-root and linear-with-warm-up scaling
     of AdamW did not, and came ahead of AdaptDL's ``gain^½`` and of
     preconditioned statistics. Experimental: two small tasks; see the README's
-    "Adam" section. At S = 1 it is ``optax.adamw`` (bit for bit; with
+    "Adam" section. With ``accumulation_steps=BatchRamp(...)`` it ramps as SGD
+    does (``benchmarks/ramp``: its best result was AdamW's); there a step at
+    S = 32 was worth more than its gain claimed (0.19 nats/byte lower at equal
+    ``τ`` than S = 2, against 0.06 for SGD): the raw gain is conservative for
+    AdamW, so ``τ`` runs slow at a large ``S``, never fast. At S = 1 it is ``optax.adamw`` (bit for bit; with
     ``nesterov=True`` to float32 rounding, ~2e-7 after 200 steps).
 
     Args:

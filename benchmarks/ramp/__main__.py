@@ -51,11 +51,13 @@ def proxy_text(tasks, cache, only_cached: bool, checkpoints, scales, plot_dir: P
             )
     if not rows:
         return "_(no proxy cells)_", []
+    minutes = sum(r["wall_s"] for r in found.values()) / 60
     text = "\n".join(
         [
             "### Check the proxy: the controller's noise scale against the critical batch measured by branching",
             "",
             proxy.__doc__.split("\n\n", 1)[1].strip(),
+            f"Seed 0, horizon H = {proxy.HORIZON} steps; {minutes:.0f} min of wall time when it ran.",
             "",
             f"| task | τ | val. loss → target | steps at S = {' / '.join(map(str, scales))} | "
             "B_crit (measured) | B_noise (controller) | ratio |",

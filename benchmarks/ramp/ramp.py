@@ -11,7 +11,7 @@ arm); only how many calls make an update differs:
   after ``f·T`` base batches (``f`` ∈ {0.25, 0.5, 1}): ``BatchRamp(1, 16, ladder=1…16, policy=…)``;
 * ``seesaw``: ``k`` doubles each time the schedule's ``lr(τ)`` halves (Seesaw, 2025), up to 16;
 * ``measured-e``: ``BatchRamp(1, 16, efficiency=e)`` (powers of two, hysteresis 2, patience 64 samples), ``e`` ∈
-  {0.5, 0.7, 0.9}; ``e = 0.5`` is the critical batch (McCandlish et al. 2018).
+  {0.5, 0.6, 0.7, 0.9}; ``e = 0.5`` is the critical batch (McCandlish et al. 2018).
 
 A run is one jitted program (``lax.scan`` over evaluation points in ``τ``, each a ``lax.while_loop`` of calls);
 the ramp arms of a family share one compiled program (the arm is a traced argument: ``k_t`` is a value, not a
@@ -39,7 +39,7 @@ from benchmarks.ramp.tasks import REPLICAS, Task
 AXIS = "replicas"
 K_MIN, K_MAX = 1, 16
 LINEAR = (0.25, 0.5, 1.0)
-EFFICIENCIES = (0.5, 0.7, 0.9)
+EFFICIENCIES = (0.5, 0.6, 0.7, 0.9)
 ARMS = (
     "fixed-min",
     "fixed-max",

@@ -69,6 +69,27 @@ def noise_growth(record: dict, total_steps: int) -> tuple[float, float]:
     return median(0.05, 0.10), median(0.85, 0.90)
 
 
+def rung_changes(record: dict) -> tuple[int, int]:
+    """``(changes, of which down)`` of ``S`` between the logged updates (the logs keep ~300 of them)."""
+    s = np.asarray(record["logs"]["scale"])
+    s = s[np.isfinite(s)]
+    steps = np.diff(s)
+    return int(np.sum(steps != 0)), int(np.sum(steps < 0))
+
+
+def clock_check(task, results, seeds) -> str:
+    """Is the gain right? At equal τ (= T) the same loss at every S: fixed-max's final loss minus fixed-min's."""
+    lo, hi = _recs(results, task, "fixed-min", seeds), _recs(results, task, "fixed-max", seeds)
+    if lo is None or hi is None:
+        return ""
+    diff, se2 = stats.worse_by(False, [r["final"] for r in lo], [r["final"] for r in hi])
+    return (
+        f"The gain's clock: at τ = T, `fixed-max` (S = {REPLICAS * K_MAX}) ends {diff:+.4f} (2 SE {se2:.4f}) from "
+        f"`fixed-min` (S = {REPLICAS * K_MIN}) in validation loss (0 if a step at S were worth exactly r base steps; "
+        "negative: the large batch did better than its gain claimed)."
+    )
+
+
 def _recs(results, task, arm, seeds):
     recs = [results.get((task.name, arm, s)) for s in seeds]
     return None if any(r is None for r in recs) else recs
@@ -100,6 +121,7 @@ def summary(task, results, seeds) -> dict:
             "at_equal": [loss_at_examples(r, e) for r, e in zip(recs, equal, strict=True)] if equal else None,
             "equal_examples": equal,
             "us_per_example": [1e6 * r["run_s"] / (r["examples"] * task.batch_size) for r in recs],
+            "changes": [rung_changes(r) for r in recs],
         }
     return out
 
@@ -120,16 +142,18 @@ def table(task, results, seeds) -> str:
     rows = summary(task, results, seeds)
     head = (
         "| arm | updates to baseline's loss | ÷ baseline | examples to it | ÷ baseline | final val. loss | "
-        "updates | examples | loss at equal examples | µs / example |"
+        "updates | examples | loss at equal examples | µs / example | changes of S (down) |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, r in rows.items():
         equal = "—" if r["at_equal"] is None else stats.fmt(*stats.mean_std(r["at_equal"])[:2], 4)
         lines.append(
             f"| `{arm}` | {_fmt(r['updates_to'])} | {_fmt(r['updates_ratio'], ratio=True)} | "
             f"{_fmt(r['examples_to'])} | {_fmt(r['examples_ratio'], ratio=True)} | "
             f"{stats.fmt(*stats.mean_std(r['final'])[:2], 4)} | {stats.mean_std(r['updates'])[0]:.0f} | "
-            f"{stats.mean_std(r['examples'])[0]:.0f} | {equal} | {stats.mean_std(r['us_per_example'])[0]:.0f} |"
+            f"{stats.mean_std(r['examples'])[0]:.0f} | {equal} | {stats.mean_std(r['us_per_example'])[0]:.0f} | "
+            + " / ".join(f"{c} ({d})" for c, d in r["changes"])
+            + " |"
         )
     return "\n".join(lines)
 
@@ -186,6 +210,7 @@ STYLES = {
     "linear-1": ("C4", ":"),
     "seesaw": ("C5", "-."),
     "measured-0.5": ("C3", "-"),
+    "measured-0.6": ("C8", "-"),
     "measured-0.7": ("C6", "-"),
     "measured-0.9": ("C0", "-"),
 }
@@ -248,7 +273,9 @@ def picture(tasks, results, seed: int, path: Path) -> Path:
             axes[i, j].set_ylabel(label)
             if i in (0, 2):
                 axes[i, j].set_yscale("log")
-        axes[2, j].axhline(REPLICAS * K_MAX, color="0.6", lw=0.5)
+        rungs = [REPLICAS * 2**i for i in range(int(math.log2(K_MAX)) + 1)]
+        axes[0, j].set_yticks(rungs, [str(s) for s in rungs])
+        axes[0, j].minorticks_off()
         axes[-1, j].set_xlabel("τ (base-batch steps)")
     axes[1, 0].legend(fontsize=7)
     fig.tight_layout()
@@ -292,6 +319,8 @@ def write_report(path, tasks, results, seeds, plot_paths, command, wall_s, *, pr
             ),
             "",
             table(task, results, seeds),
+            "",
+            clock_check(task, results, seeds),
             "",
             *(
                 f"`{arm}`{' (default)' if arm == DEFAULT else ''}:\n\n" + goals(task, results, seeds, arm) + "\n"

@@ -105,9 +105,11 @@ class BatchRamp:
       max_microbatches: the highest rung.
       ladder: the allowed ``k``, increasing, from ``min_microbatches`` to ``max_microbatches``; default the
         powers of two in between.
-      efficiency: ``e ∈ (0, 1)``, the measured policy's target ``r/S``. ``½`` is the critical batch
-        (``S* = B + 2``); the default ``0.9`` spends at most about 11 % more examples per unit of ``τ`` than a
-        step at ``S = 1`` (``benchmarks/ramp``).
+      efficiency: ``e ∈ (0, 1)``, the measured policy's target ``r/S``: a higher ``e`` spends fewer examples per
+        unit of ``τ`` (at most ``1/e`` times a step at ``S = 1``'s), a lower one takes fewer updates. ``½`` is the
+        critical batch (``S* = B + 2``). The default ``0.6`` was the study's best of 0.5, 0.6, 0.7 and 0.9
+        (``benchmarks/ramp``): on a byte-level LM with AdamW it reached the fixed smallest batch's final loss in
+        50 % fewer updates with 3 % more examples (3 seeds).
       hysteresis: ``h ≥ 1``, the dead band of the target between going up and coming back down.
       patience: gradient samples (``≥ 1``) that consecutive updates must hold, all asking for the same move,
         before it is made.
@@ -143,7 +145,7 @@ class BatchRamp:
     min_microbatches: int
     max_microbatches: int
     ladder: tuple[int, ...] | None = None
-    efficiency: float = 0.9
+    efficiency: float = 0.6
     hysteresis: float = 2.0
     patience: int = 64
     policy: Callable[[RampInputs], Any] | None = None
