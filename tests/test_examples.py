@@ -363,7 +363,7 @@ def test_batch_ramp_smoke_grows_the_batch_in_one_compile_and_resumes_from_a_chec
     for row in rows:
         assert int(row["k"]) in (1, 2, 4, 8, 16) and int(row["S"]) == 4 * int(row["k"]), row
     assert "compiled programs of the train step for the whole ramp: 1" in stdout
-    assert "saved, restored into a fresh state (identical)" in stdout
+    assert "saved, restored (identical), resuming at call" in stdout
     summary = next(line for line in lines if line.startswith("updates "))
     tau = float(re.search(r"τ ([\d.]+)", summary)[1])
     loss = float(re.search(r"validation loss ([\d.]+)", summary)[1])
