@@ -34,7 +34,7 @@ def proxy_text(tasks, cache, only_cached: bool, checkpoints, scales, plot_dir: P
     """Run (or load) the proxy check of every task; its table and plot."""
     rows, found = [], {}
     for task in tasks:
-        record = cache.get(task, "proxy", 0, 0)
+        record = ramp.cached(cache, task, "proxy", 0, only_cached=only_cached)
         if record is None and not only_cached:
             record = {"method": "proxy", "scale": 0, "seed": 0, "config": task.config()}
             record.update(proxy.run_task(task, checkpoints=checkpoints, scales=scales, log=log))
