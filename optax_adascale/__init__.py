@@ -10,10 +10,11 @@ from optax_adascale import experimental
 from optax_adascale._alias import adascale_adamw, adascale_sgd
 from optax_adascale._factories import adascale
 from optax_adascale._placement import replicate_buffers, state_axes, state_partition_specs, transfer_state
-from optax_adascale._state import done, get_adascale_state, metrics, scale_invariant_steps
+from optax_adascale._state import batch_plan, done, get_adascale_state, metrics, scale_invariant_steps
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.core._estimator import Estimator
 from optax_adascale.core._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
+from optax_adascale.core._ramp import BatchRamp, RampInputs, RampState
 from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.gspmd import value_and_grad
 from optax_adascale.sharding._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, fsdp_unshard
@@ -30,13 +31,17 @@ __version__ = "0.3.0"
 
 __all__ = (
     "AdaScaleState",
+    "BatchRamp",
     "Estimator",
     "MicrobatchStats",
     "NoiseScaleState",
+    "RampInputs",
+    "RampState",
     "ShardedInnerState",
     "adascale",
     "adascale_adamw",
     "adascale_sgd",
+    "batch_plan",
     "clip_by_global_norm",
     "done",
     "elementwise",

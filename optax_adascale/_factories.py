@@ -6,6 +6,7 @@ from typing import Any
 import optax
 
 from optax_adascale.core import _adascale, _options
+from optax_adascale.core._ramp import BatchRamp
 from optax_adascale.sharding import _reduce
 
 
@@ -14,7 +15,7 @@ def adascale(
     learning_rate: optax.ScalarOrSchedule,
     *,
     axis_name: str | tuple[str, ...] | None = None,
-    accumulation_steps: int = 1,
+    accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
     param_labels: Any = None,
@@ -82,7 +83,10 @@ def adascale(
         ``None``: one replica, or statistics that arrive reduced (the GSPMD drop-in).
       accumulation_steps: ``k``: each call adds its gradient to per-replica
         buffers and returns zero updates; the ``k``-th call reduces once and
-        steps. See :func:`state_axes` and :func:`state_partition_specs`.
+        steps. See :func:`state_axes` and :func:`state_partition_specs`. Or a
+        :class:`BatchRamp`: ``k_t`` then moves with the measured noise scale,
+        a traced value in the state (one compile for every ``k``), and
+        ``S_t = n_t``; :func:`batch_plan` tells the loop where it stands.
       scale: ``S``, base batches per update. Defaults to ``n``; a sample
         (micro-batch) of ``m`` base batches means ``scale = m·n``.
       estimator: an :class:`Estimator` (how long the moving averages remember),

@@ -61,6 +61,9 @@ def state_partition_specs(
       :func:`replicate_buffers`): ``P(axis_name)``, or with ``param_specs``
       ``P(axis_name, *param_spec)`` so that each replica's buffer is also
       split like its parameter; ``acc_sq_norm`` is then ``P(axis_name, model_axes)``;
+      buffers without a replica axis (a ``jax.jit`` step over the global batch,
+      where the tx has no ``axis_name``): the parameter's spec (``P()``
+      without ``param_specs``), ``acc_sq_norm`` ``P()``;
     * ZeRO's inner-state rows (``shard_optimizer_state=n``): ``P(axis_name)``;
     * inner-state buffers shaped like the params (momentum): the parameter's
       spec, given ``param_specs`` and ``tx`` (through ``optax.tree_map_params``);
@@ -98,7 +101,10 @@ def state_partition_specs(
 
     def per_state(s: AdaScaleState, b: AdaScaleState) -> AdaScaleState:
         specs = jax.tree.map(lambda _: P(), s._replace(inner_state=None, acc_grads=None, acc_sq_norm=None))
-        if s.acc_grads is not None:
+        if s.acc_grads is not None and jnp.ndim(s.acc_sq_norm) == 1:  # no replica axis: the global-batch step
+            acc = jax.tree.map(lambda _: P(), s.acc_grads) if param_specs is None else param_specs
+            specs = specs._replace(acc_grads=acc, acc_sq_norm=P())
+        elif s.acc_grads is not None:
             if param_specs is None:
                 acc = jax.tree.map(lambda _: P(lead), s.acc_grads)
             else:
@@ -161,7 +167,9 @@ def transfer_state(opt_state: Any, target: Any) -> Any:
     :func:`replicate_buffers` if needed); every field is copied from
     ``opt_state`` except the accumulation buffers, which keep ``target``'s
     (zero) values. The moving averages are in base-batch units, so they stay
-    valid at the new scale: no reset, no rescaling.
+    valid at the new scale: no reset, no rescaling. A :class:`BatchRamp`'s state
+    is carried where both have one; into a ramp from a state without one, the
+    ramp starts at its lowest rung (``target``'s), and out of one it is dropped.
 
     Raises:
       ValueError: if ``opt_state`` is mid-accumulation (``micro_step > 0``),
@@ -192,6 +200,8 @@ def transfer_state(opt_state: Any, target: Any) -> Any:
         for f in _PER_REPLICA_FIELDS:
             fields[f] = getattr(s, f)
         fields["inner_state"] = _zero.recut(source.inner_state, s.inner_state)
+        if source.ramp is None or s.ramp is None:
+            fields["ramp"] = s.ramp
         return _conform(AdaScaleState(**fields), s)
 
     return _map_states(target, per_state, lambda x: x)

@@ -1,7 +1,7 @@
 """Reading AdaScale's state: the readers a training loop calls.
 
 Readers (:func:`get_adascale_state`, :func:`metrics`, :func:`scale_invariant_steps`,
-:func:`done`) accept any nested optax state, a Flax ``TrainState`` or NNX optimizer,
+:func:`done`, :func:`batch_plan`) accept any nested optax state, a Flax ``TrainState`` or NNX optimizer,
 and checkpoints restored as plain dicts (also those written before a field was
 renamed). Laying the state out over replicas is ``_placement``'s.
 """
@@ -16,6 +16,7 @@ import optax
 
 from optax_adascale.core import _read
 from optax_adascale.core._adascale import AdaScaleState
+from optax_adascale.core._ramp import RampState
 from optax_adascale.tools import _noise
 
 # Fields renamed since 0.1.0 checkpoints: old name -> new name.
@@ -46,6 +47,8 @@ def _from_mapping(x: Mapping) -> AdaScaleState | None:
     for name in _ADDED:
         fields.setdefault(name, jnp.zeros([], jnp.float32 if name == "base_lr" else jnp.int32))
     fields.setdefault("group_gains", {})
+    if isinstance(fields.get("ramp"), Mapping):
+        fields["ramp"] = RampState(**{f: fields["ramp"].get(f) for f in RampState._fields})
     return AdaScaleState(**{f: fields.get(f) for f in AdaScaleState._fields})  # type: ignore[arg-type]
 
 
@@ -158,8 +161,11 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     batch size in base batches — well below it a larger batch buys an almost
     proportional speed-up, well above it little; ``+inf`` for pure noise, 0
     before the first update); with
-    ``param_labels``, ``group_gains`` (label → gain). Before the first update:
-    gain 1, τ 0, the rest 0.
+    ``param_labels``, ``group_gains`` (label → gain); with a
+    :class:`BatchRamp`, ``microbatches`` (``k``, micro-batches per replica in
+    the update in progress: the next update's), ``next_scale`` (its ``S``; 0
+    before the first call) and ``microbatches_seen`` (calls so far, per
+    replica). Before the first update: gain 1, τ 0, the rest 0.
 
     With a :func:`noise_scale_monitor` (and no AdaScale) in the chain, its keys:
     ``noise_scale``, ``noise_scale_examples``, ``noise_scale_tokens``,
@@ -197,6 +203,11 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     }
     if isinstance(s.group_gains, Mapping) and s.group_gains:
         out["group_gains"] = {k: _value(v) for k, v in s.group_gains.items()}
+    if s.ramp is not None:
+        plan = batch_plan(s)
+        out.update(
+            microbatches=plan["microbatches"], next_scale=plan["scale"], microbatches_seen=plan["microbatches_seen"]
+        )
     if monitor is not None:
         out.update({k: v for k, v in monitor.items() if k not in out})
     return out
@@ -209,6 +220,47 @@ def _noise_scale(s: AdaScaleState) -> jax.Array:
     var, sqr = jnp.asarray(var, jnp.float32), jnp.asarray(sqr, jnp.float32)
     ratio = _read.noise_ratio(var, sqr)
     return jnp.where(jnp.isfinite(var) & jnp.isfinite(sqr), ratio, jnp.nan)
+
+
+def batch_plan(opt_state: Any) -> dict[str, jax.Array]:
+    """Where the data loader stands under a :class:`BatchRamp`: the update in progress and the calls so far.
+
+    Each call of ``update`` takes one micro-batch per replica, whatever ``k_t``,
+    so a loader that hands out the micro-batches of one stream in order (the
+    ``microbatches_seen``-th next) drops and repeats nothing across a change of
+    ``S``, and, restored from a checkpoint of the optimizer state, resumes at
+    the right one. Plain int32 arrays; reading them on the host is a sync.
+
+    Keys: ``microbatches`` (``k_t``: calls per replica that make the update in
+    progress), ``remaining`` (calls until it applies: ``k_t − micro_step``),
+    ``scale`` (its ``S_t = k_t × samples per call``; 0 before the first call,
+    which tells how many replicas there are), ``microbatches_seen`` (calls so
+    far, per replica: the loader's position).
+
+    Raises:
+      ValueError: the state has no ramp (``accumulation_steps`` is not a :class:`BatchRamp`).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax_adascale
+      >>> tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=optax_adascale.BatchRamp(2, 8))
+      >>> params = jnp.zeros(2)
+      >>> _, state = tx.update(jnp.ones(2), tx.init(params), params)
+      >>> {k: int(v) for k, v in optax_adascale.batch_plan(state).items()}
+      {'microbatches': 2, 'remaining': 1, 'scale': 2, 'microbatches_seen': 1}
+    """
+    s = get_adascale_state(opt_state)
+    if s.ramp is None:
+        raise ValueError(
+            "batch_plan reads a BatchRamp's state, and this optimizer state has none: build the optimizer with "
+            "accumulation_steps=optax_adascale.BatchRamp(min_microbatches, max_microbatches)."
+        )
+    k = _value(s.ramp.microbatches)
+    return {
+        "microbatches": k,
+        "remaining": k - _value(s.micro_step),
+        "scale": k * _value(s.ramp.scale_per_microbatch),
+        "microbatches_seen": _value(s.ramp.microbatches_seen),
+    }
 
 
 def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> bool:

@@ -276,3 +276,41 @@ def test_fair_adam_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
     assert {r[1] for r in _table_rows(section, "4")} == labels | {f"AdamW {r}+" for r in ("id", "sqrt", "LSW")}
     _fixed_rule_rows_are_consistent(section, "AS-a", int(_table_rows(section, "1")[0][5]))
     assert any((tmp_path / "cache").glob("mnist1d_LAMBplus_*_S4_seed0.json"))  # cells cached where --cache says
+
+
+# --------------------------------------------------------------------------- ramp
+
+
+def test_ramp_smoke_writes_every_arm_the_goals_and_the_proxy(tmp_path):
+    results = tmp_path / "README.md"
+    run_study("ramp", "--smoke", "--cache", tmp_path / "cells", "--results", results)
+    text = results.read_text()
+    section = text[text.index("<!-- ramp:start -->") : text.index("<!-- ramp:end -->")]
+    for arm in ("fixed-min", "fixed-max", "linear-0.25", "linear-1", "seesaw", "measured-0.6"):
+        assert len(_table_rows(section, f"`{arm}`")) == 3, arm  # a row in each task's table
+    assert section.count("fewer updates with ≤ 10 % more examples") == 3 * 4  # the goals, per task and efficiency
+    assert "B_crit (measured)" in section and "(**the package default**)" in section
+    for name in ("ramp_curves.png", "ramp_controller.png", "ramp_proxy.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 0 and f"plots/{name}" in section
+
+
+def test_the_committed_ramp_report_is_rebuilt_from_the_committed_cells(tmp_path):
+    # The study's cells are committed: --report runs nothing and must give the committed section's tables.
+    committed = (ROOT / "benchmarks" / "ramp" / "README.md").read_text()
+    run_study("ramp", "--report", "--results", tmp_path / "README.md")
+    rebuilt = (tmp_path / "README.md").read_text()
+
+    def tables(text: str) -> str:  # the generated section, less the hand-written reading and the command
+        section = text[text.index("<!-- ramp:start -->") : text.index("<!-- ramp:end -->")]
+        reading = re.compile(r"<!-- ramp-reading:start -->.*<!-- ramp-reading:end -->", re.S)
+        return re.sub(r"Command: `[^`]*`", "", reading.sub("", section))
+
+    assert "| `measured-0.6` |" in tables(committed) and tables(rebuilt) == tables(committed)
+
+
+def test_the_ramp_study_names_the_package_default():
+    import optax_adascale
+    from benchmarks.ramp import results
+
+    assert results.DEFAULT == f"measured-{optax_adascale.BatchRamp(1, 2).efficiency:g}"
+    assert results.DEFAULT in results.MEASURED

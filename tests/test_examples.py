@@ -347,3 +347,25 @@ def test_sharded_lm_smoke():
     assert int(rows[1]["iterations"]) == LM_BUDGET and float(rows[1]["gain"]) == 1.0  # S = 1: plain SGD
     assert int(rows[4]["iterations"]) < int(rows[1]["iterations"])
     assert int(rows[4]["batch"]) == 4 * int(rows[1]["batch"])
+
+
+# --------------------------------------------------------------------------- batch_ramp.py
+
+RAMP_ROW = re.compile(r"^\s*(?P<tau>\d+)\s+(?P<k>\d+)\s+(?P<S>\d+)\s+(?P<noise>[\d.]+|inf)\s+(?P<calls>\d+)\s*$")
+
+
+def test_batch_ramp_smoke_grows_the_batch_in_one_compile_and_resumes_from_a_checkpoint(tmp_path):
+    stdout = run_example("batch_ramp.py", "--smoke", "--out", str(tmp_path), timeout=300)
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["τ", "k"])
+    rows = [m.groupdict() for m in map(RAMP_ROW.match, lines[header + 1 :]) if m]
+    assert rows and int(rows[0]["k"]) == 1, stdout  # the ramp starts at its lowest rung
+    for row in rows:
+        assert int(row["k"]) in (1, 2, 4, 8, 16) and int(row["S"]) == 4 * int(row["k"]), row
+    assert "compiled programs of the train step for the whole ramp: 1" in stdout
+    assert "saved, restored (identical), resuming at call" in stdout
+    summary = next(line for line in lines if line.startswith("updates "))
+    tau = float(re.search(r"τ ([\d.]+)", summary)[1])
+    loss = float(re.search(r"validation loss ([\d.]+)", summary)[1])
+    assert tau >= 60 and loss < math.log(256), summary
+    assert (tmp_path / "batch_ramp.png").stat().st_size > 0

@@ -11,11 +11,13 @@ from optax_adascale.core._varying import fresh_zeros, match_varying
 Array = jax.Array
 
 
-def accumulate(k: int, grads: Any, local_sq: Array, state: Any, step: Any):
+def accumulate(k: int | Array, grads: Any, local_sq: Array, state: Any, step: Any):
     """Across-call accumulation: add to the per-replica buffers; every ``k``-th call reduces once and steps.
 
     Buffers are ``shape`` per replica, or ``(1, …, shape)`` when shard_map hands
-    us our slice of a ``(replicas, …, shape)`` global array.
+    us our slice of a ``(replicas, …, shape)`` global array. ``k`` is a Python
+    int, or a replicated int32 scalar (a :class:`BatchRamp`'s ``k_t``): then one
+    program serves every ``k``.
     """
     acc_grads, acc_sq = state.acc_grads, state.acc_sq_norm
     like = lambda x, other: jnp.reshape(x, jnp.shape(other))  # noqa: E731 - buffer <-> per-replica shapes
@@ -24,10 +26,12 @@ def accumulate(k: int, grads: Any, local_sq: Array, state: Any, step: Any):
     # The cond neither takes nor returns the buffers (a pass-through output
     # would be copied on every accumulating call); the reducing branch reads
     # them, and they are updated after the cond, in place.
+    count = (lambda dtype: k) if isinstance(k, int) else (lambda dtype: k.astype(dtype))  # noqa: E731
+
     def reduce_branch(state):
-        mean = lambda a, g: ((like(a, g) + g.astype(a.dtype)) / k).astype(g.dtype)  # noqa: E731
+        mean = lambda a, g: ((like(a, g) + g.astype(a.dtype)) / count(a.dtype)).astype(g.dtype)  # noqa: E731
         local = jax.tree.map(mean, acc_grads, grads)
-        new_updates, new_state = step(local, (like(acc_sq, local_sq) + local_sq) / k, state)
+        new_updates, new_state = step(local, (like(acc_sq, local_sq) + local_sq) / count(acc_sq.dtype), state)
         return new_updates, new_state._replace(micro_step=jnp.zeros_like(state.micro_step)), jnp.bool_(True)
 
     out_types = jax.eval_shape(reduce_branch, scalars)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale.core import _accumulate, _checks, _collect, _groups, _norms, _options, _samples, _step
+from optax_adascale.core import _accumulate, _checks, _collect, _groups, _norms, _options, _ramp, _read, _samples, _step
 from optax_adascale.core._samples import MicrobatchStats
 
 Array = jax.Array
@@ -47,10 +47,13 @@ class AdaScaleState(NamedTuple):
         saw identical gradients.
       micro_step: int32 ``[]``, calls accumulated since the last update
         (always 0 for ``accumulation_steps=1``).
-      acc_grads: ``None``, or with ``accumulation_steps > 1`` the per-replica sum
-        of this window's gradients, shaped like the params (float32 or wider).
+      acc_grads: ``None``, or with ``accumulation_steps > 1`` (or a
+        :class:`BatchRamp`) the per-replica sum of this window's gradients,
+        shaped like the params (float32 or wider).
       acc_sq_norm: ``None``, or float32 ``[G]``: the per-replica sum of this
         window's squared norms per group.
+      ramp: ``None``, or with ``accumulation_steps=BatchRamp(...)`` the
+        controller's :class:`RampState` (``k_t``, the loader's position).
       inner_state: the state of ``inner`` (with ``shard_optimizer_state=n``, laid
         out in ``(n, m)`` rows, one per replica).
     """
@@ -74,6 +77,7 @@ class AdaScaleState(NamedTuple):
     micro_step: Array
     acc_grads: Any
     acc_sq_norm: Any
+    ramp: Any
     inner_state: Any
 
 
@@ -91,7 +95,7 @@ def _init(
     scalar = lambda dtype=jnp.float32: jnp.zeros([], dtype)  # noqa: E731 - a fresh buffer per field (donation)
     per_group = lambda value: groups.pack(jnp.full((groups.size,), value, jnp.float32))  # noqa: E731
     acc_grads = acc_sq = None
-    if collection.accumulation_steps > 1:
+    if collection.accumulates:
         acc_grads = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_norms.compute_dtype(p.dtype)), params)
         acc_sq = jnp.zeros((groups.size,), jnp.float32)
     return AdaScaleState(
@@ -114,6 +118,7 @@ def _init(
         micro_step=scalar(jnp.int32),
         acc_grads=acc_grads,
         acc_sq_norm=acc_sq,
+        ramp=None if collection.ramp is None else _ramp.init_state(collection.ramp),
         inner_state=inner_state,
     )
 
@@ -136,24 +141,68 @@ def _update(
     _checks.check_grads(grads, params)
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
     axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
-    samples = _samples.Samples.of(
-        grads, microbatch_stats, collection.accumulation_steps, collection.precondition, state.inner_state
-    )
+    ramp = collection.ramp
+    per_update = collection.accumulation_steps if ramp is None else ramp
+    samples = _samples.Samples.of(grads, microbatch_stats, per_update, collection.precondition, state.inner_state)
     strategy = reduction.for_samples(samples)
     strategy.check(axes, state, params)
     local_sq = groups.sums(axes.model.mask(samples.sq_leaves))
 
-    n = axes.replicas * collection.accumulation_steps * samples.count
-    S = _scale(collection, n, axes.replicas)
+    if ramp is None:
+        k = collection.accumulation_steps
+        n = axes.replicas * k * samples.count
+        S = _scale(collection, n, axes.replicas)
+    else:  # k_t is traced: one program for every rung; S_t = n_t
+        _check_ramp_state(state)
+        per_microbatch = axes.replicas * samples.count
+        _ramp.check_samples(ramp, per_microbatch)
+        k = state.ramp.microbatches
+        n = S = k * per_microbatch
     shape = _step.Shape(groups=groups, axes=axes, n=n, S=S)
 
     def step(local_grads, local_sq, state):
-        return strategy.step(update, shape, local_grads, local_sq, state, params, extra_args, samples)
+        new_updates, new_state = strategy.step(update, shape, local_grads, local_sq, state, params, extra_args, samples)
+        if ramp is not None:
+            new_state = _decide(ramp, state, new_state, per_microbatch)
+        return new_updates, new_state
 
-    if collection.accumulation_steps == 1:
+    if not collection.accumulates:
         return step(grads, local_sq, state)
     _collect.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
-    return _accumulate.accumulate(collection.accumulation_steps, grads, local_sq, state, step)
+    new_updates, new_state = _accumulate.accumulate(k, grads, local_sq, state, step)
+    if ramp is not None:  # every call: the loader's position, and the samples per call (for the readers)
+        new_state = new_state._replace(
+            ramp=new_state.ramp._replace(
+                microbatches_seen=optax.safe_increment(new_state.ramp.microbatches_seen),
+                scale_per_microbatch=jnp.full([], per_microbatch, jnp.int32),
+            )
+        )
+    return new_updates, new_state
+
+
+def _check_ramp_state(state: AdaScaleState) -> None:
+    if state.ramp is None:
+        raise ValueError(
+            "this transformation has accumulation_steps=BatchRamp(...), but opt_state has no ramp state: it was "
+            "made by a transformation without one. Make it with this transformation's init, or carry it over "
+            "with optax_adascale.transfer_state(old_state, tx.init(params))."
+        )
+
+
+def _decide(ramp: _ramp.BatchRamp, old: AdaScaleState, new: AdaScaleState, per_microbatch: int) -> AdaScaleState:
+    """The controller after an update (applied, or skipped: then nothing moves); replicated scalars only."""
+    total = lambda v: jnp.sum(jnp.stack([jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(v)]))  # noqa: E731
+    noise = _read.noise_ratio(total(new.grad_var), total(new.grad_sqr))
+    inputs = _ramp.RampInputs(
+        tau=new.tau_whole.astype(jnp.float32) + new.tau_frac,
+        updates=new.count,
+        noise_scale=noise,
+        gain=new.gain,
+        microbatches=old.ramp.microbatches,
+        scale_per_microbatch=jnp.full([], per_microbatch, jnp.int32),
+        microbatches_seen=optax.safe_increment(old.ramp.microbatches_seen),
+    )
+    return new._replace(ramp=_ramp.after_update(ramp, old.ramp, inputs, new.count != old.count))
 
 
 def _scale(collection: _options.Options, n: int, replicas: int) -> Any:

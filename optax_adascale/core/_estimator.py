@@ -234,7 +234,8 @@ def step_moments(
     Args:
       mean_sq_norm: ``a``, float32 ``[G]``.
       sq_norm_of_mean: ``b``, float32 ``[G]``.
-      num_samples: ``n ≥ 2``, a Python int.
+      num_samples: ``n ≥ 2``, a Python int, or a traced one (a :class:`BatchRamp`'s
+        ``n_t``; then ``S/(n−1)`` is computed in float32).
       scale: ``S ≥ 1``.
       eps: floor of the variance estimate.
       floor_sqr: floor ``μ̂²`` at 0 (FairScale). ``False`` leaves it unbiased
@@ -243,6 +244,9 @@ def step_moments(
     Returns:
       ``(σ̂², μ̂²)``, float32 ``[G]`` each.
     """
+    if not isinstance(num_samples, int):  # traced n_t: the arithmetic in float32, whatever n's dtype
+        num_samples = jnp.asarray(num_samples, jnp.float32)
+        scale = jnp.asarray(scale, jnp.float32)
     var = scale / (num_samples - 1) * (mean_sq_norm - sq_norm_of_mean)
     sqr = sq_norm_of_mean - var / scale
     return jnp.maximum(var, eps), jnp.maximum(sqr, 0.0) if floor_sqr else sqr

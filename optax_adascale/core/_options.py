@@ -13,6 +13,7 @@ from typing import Any
 
 from optax_adascale.core import _checks
 from optax_adascale.core import _estimator as est
+from optax_adascale.core._ramp import BatchRamp
 
 # 0.2's estimator keywords, now fields of Estimator (``variance_eps`` was adascale_adamw's name for ``eps``).
 DEPRECATED = ("smoothing", "eps", "horizon", "unbiased_sqr", "memory_fraction", "variance_eps")
@@ -28,6 +29,7 @@ class Options:
         reduced from :func:`~optax_adascale.value_and_grad` under ``jax.jit``).
       accumulation_steps: ``k ≥ 1``: each call adds its gradient to per-replica
         buffers and returns zero updates; the ``k``-th call reduces once and steps.
+        ``1`` with a ``ramp``.
       scale: ``S``, base batches per update; ``None``: the number of samples ``n``.
       estimator: the :class:`~optax_adascale.Estimator` (the moving averages' memory).
       param_labels: labels shaped like the params (or ``params -> labels``), as in
@@ -41,6 +43,8 @@ class Options:
       averaging: ``"debiased"`` or ``"paper"`` (experimental).
       gain_exponent: ``p`` in the step ``r^p·lr`` (experimental).
       precondition: ``inner_state -> multipliers`` for the statistics (experimental).
+      ramp: ``None``, or the :class:`~optax_adascale.BatchRamp` given as
+        ``accumulation_steps``: ``k_t`` is then a traced value in the state.
     """
 
     axis_name: Any = None
@@ -54,6 +58,12 @@ class Options:
     averaging: str = est.DEBIASED
     gain_exponent: float = 1.0
     precondition: Any = None
+    ramp: BatchRamp | None = None
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether calls accumulate into per-replica buffers (``accumulation_steps > 1`` or a ramp)."""
+        return self.ramp is not None or self.accumulation_steps > 1
 
     @property
     def settings(self) -> est.Settings:
@@ -64,7 +74,7 @@ class Options:
 def create(
     *,
     axis_name: Any = None,
-    accumulation_steps: int = 1,
+    accumulation_steps: int | BatchRamp = 1,
     scale: Any = None,
     estimator: Any = None,
     param_labels: Any = None,
@@ -83,7 +93,10 @@ def create(
     0.2's estimator keywords (folded into the estimator, with a warning) and
     nothing else (``TypeError``, as Python says for an unknown keyword).
     """
-    _checks.check_static_int("accumulation_steps", accumulation_steps)
+    ramp = accumulation_steps if isinstance(accumulation_steps, BatchRamp) else None
+    if ramp is None:
+        _checks.check_static_int("accumulation_steps", accumulation_steps, hint=_RAMP_HINT)
+    steps = 1 if ramp is not None else int(accumulation_steps)  # type: ignore[arg-type]
     _checks.check_number("scale", scale, low=1.0)
     _checks.check_bool("delayed_gain", delayed_gain)
     _checks.check_choice("averaging", averaging, est.AVERAGING_MODES)
@@ -100,9 +113,11 @@ def create(
         if precondition is not None:
             raise ValueError("precondition is not supported with shard_optimizer_state")
     resolved = _estimator_with_deprecated(estimator, dict(deprecated or {}), factory)
+    if ramp is not None:
+        _check_ramp(ramp, scale, resolved)
     return Options(
         axis_name=axis_name,
-        accumulation_steps=accumulation_steps,
+        accumulation_steps=steps,
         scale=scale,
         estimator=resolved,
         param_labels=param_labels,
@@ -112,7 +127,28 @@ def create(
         averaging=averaging,
         gain_exponent=gain_exponent,
         precondition=precondition,
+        ramp=ramp,
     )
+
+
+_RAMP_HINT = " For a number of micro-batches that changes during training pass accumulation_steps=BatchRamp(...)."
+
+
+def _check_ramp(ramp: BatchRamp, scale: Any, estimator: est.Estimator) -> None:
+    """A ramp's scale is the number of samples ``n_t``; FairScale's ``θ = 1 − n/1000`` is defined for a fixed ``n``."""
+    if scale is not None:
+        raise ValueError(
+            f"accumulation_steps={ramp!r} sets the scale of each update to its number of samples, S_t = n_t, "
+            f"so it takes no scale=, got scale={scale!r}. Make one micro-batch the base batch of your "
+            "learning-rate schedule."
+        )
+    if estimator.fairscale and estimator.smoothing is None:
+        raise ValueError(
+            "estimator='fairscale' takes θ = max(1 − n/1000, 0) from a fixed number of samples n, which a "
+            f"BatchRamp changes (accumulation_steps={ramp!r}). Use the default estimator (its memory is a "
+            "fraction of τ, defined for any S), or give FairScale's estimator a fixed θ: "
+            "estimator=optax_adascale.Estimator(fairscale=True, smoothing=0.99)."
+        )
 
 
 def unwrap(kwargs: Mapping[str, Any], name: str) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class Samples:
 
     @classmethod
     def of(
-        cls, grads: Any, microbatch_stats: Any, accumulation_steps: int, precondition: Any, inner_state: Any
+        cls, grads: Any, microbatch_stats: Any, accumulation_steps: Any, precondition: Any, inner_state: Any
     ) -> Samples:
         """The samples of one ``update``: from ``microbatch_stats`` if given, else the gradients themselves."""
         if microbatch_stats is not None and not isinstance(microbatch_stats, MicrobatchStats):

@@ -35,11 +35,14 @@ class Update:
 
 
 class Shape(NamedTuple):
-    """Static facts of one update: groups, the call's axes, ``n`` samples, scale ``S``."""
+    """Static facts of one update: groups, the call's axes, ``n`` samples, scale ``S``.
+
+    ``n`` (and ``S = n``) is a traced int32 under a :class:`BatchRamp`, where ``k_t`` is in the state.
+    """
 
     groups: _groups.Groups
     axes: _collect.Axes
-    n: int
+    n: Any
     S: Any
 
 
@@ -62,7 +65,7 @@ def _statistics(estimator: est.Settings, shape: Shape, a: Array, b: Array, state
     groups, n, S = shape.groups, shape.n, shape.S
     old_var, old_sqr = groups.unpack(state.grad_var), groups.unpack(state.grad_sqr)
     count = optax.safe_increment(state.count)
-    if n == 1:  # S = n = 1: the identity; no variance to estimate.
+    if isinstance(n, int) and n == 1:  # S = n = 1: the identity; no variance to estimate.
         ones = jnp.ones((groups.size,), jnp.float32)
         ok = jnp.all(jnp.isfinite(a if estimator.delayed_gain else b))
         return _Statistics(

@@ -1,0 +1,413 @@
+"""The batch follows the noise: ``accumulation_steps=BatchRamp(...)``.
+
+* The controller against hand-worked rungs: the measured target ``S* = (B + 1)/e − B``, the ladder, the hysteresis
+  (no flip-flop between neighbours), the patience, a skipped update, a non-finite target.
+* The mechanism against independent truth: a ramp pinned at ``k`` is ``accumulation_steps=k`` (bit for bit), and a
+  scheduled ramp is the same training as a sequence of fixed-``k`` optimizers carried over by ``transfer_state``.
+* One compile for a whole ramp from the lowest rung to the highest (the jit cache and JAX's compile events).
+* The estimator with a traced ``n`` is the formula; AdamW ramps too; the readers; the refusals.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import bits_equal
+
+import optax_adascale
+from optax_adascale.core import _ramp
+from optax_adascale.core._estimator import step_moments
+
+R = 2  # replicas on a vmap axis
+
+
+# --------------------------------------------------------------------------- the controller, by hand
+
+
+def inputs(noise_scale, *, per_microbatch=2, updates=10):
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    i = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return optax_adascale.RampInputs(
+        tau=f(100.0),
+        updates=i(updates),
+        noise_scale=f(noise_scale),
+        gain=f(1.5),
+        microbatches=i(1),
+        scale_per_microbatch=i(per_microbatch),
+        microbatches_seen=i(50),
+    )
+
+
+def decide(ramp, k, noise_scale, *, streak=0, applied=True, per_microbatch=2):
+    """``(k, streak)`` after one update at ``k``; ``streak``: the samples of the updates that already asked to move
+    (this update holds ``k × per_microbatch``)."""
+    state = _ramp.RampState(
+        jnp.asarray(k, jnp.int32), jnp.asarray(streak, jnp.int32), jnp.int32(50), jnp.int32(per_microbatch)
+    )
+    update = inputs(noise_scale, per_microbatch=per_microbatch)._replace(microbatches=jnp.asarray(k, jnp.int32))
+    new = _ramp.after_update(ramp, state, update, jnp.bool_(applied))
+    return int(new.microbatches), int(new.streak)
+
+
+# B → S* = (B + 1)/0.9 − B = B/9 + 10/9 → k* = S*/2 (two samples per micro-batch step) → the largest rung ≤ k*.
+@pytest.mark.parametrize(
+    ("noise_scale", "expected"),
+    [(0.0, 1), (10.0, 1), (30.0, 2), (60.0, 2), (70.0, 4), (130.0, 4), (140.0, 8), (280.0, 16), (np.inf, 16)],
+)
+def test_the_measured_target_from_one_rung_is_the_largest_rung_within_the_efficiency(noise_scale, expected):
+    # k* by hand: B = 10 → 1.11, 30 → 2.22, 60 → 3.89, 70 → 4.44, 130 → 7.78, 140 → 8.33, 280 → 16.1.
+    ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.9, patience=1)
+    assert decide(ramp, 1, noise_scale)[0] == expected
+
+
+def test_the_critical_batch_efficiency_one_half_targets_b_plus_two():
+    ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.5, patience=1)
+    assert decide(ramp, 1, 6.0, per_microbatch=1)[0] == 8  # S* = 6 + 2 = 8
+    assert decide(ramp, 1, 5.9, per_microbatch=1)[0] == 4  # S* = 7.9
+
+
+@pytest.mark.parametrize(
+    ("k", "k_star", "expected"),
+    [
+        (4, 3.9, 4),  # inside the dead band [k/h, next rung): stay
+        (4, 2.0, 4),  # exactly k/h: stay
+        (4, 1.99, 2),  # below k/h = 2: down to the largest rung ≤ k*·h = 3.98
+        (4, 0.9, 1),  # k*·h = 1.8: down to 1
+        (4, 7.9, 4),  # the next rung is not reached yet
+        (4, 8.0, 8),
+        (4, 40.0, 16),
+    ],
+)
+def test_hysteresis_moves_up_at_the_next_rung_and_down_only_below_k_over_h(k, k_star, expected):
+    ramp = optax_adascale.BatchRamp(1, 16, patience=1, policy=lambda inp: jnp.float32(k_star))
+    assert decide(ramp, k, 0.0)[0] == expected
+
+
+def test_a_target_wandering_around_a_rung_boundary_changes_the_rung_once():
+    targets = [3.6, 4.3, 3.7, 4.6, 3.2, 4.1, 2.9, 4.4, 3.0, 4.9]  # around the 2 → 4 boundary
+    k, history = 2, []
+    for t in targets:
+        k, _ = decide(optax_adascale.BatchRamp(1, 16, patience=1, policy=lambda inp, t=t: jnp.float32(t)), k, 0.0)
+        history.append(k)
+    assert history == [2, 4, 4, 4, 4, 4, 4, 4, 4, 4]  # default hysteresis 2: back to 2 only below k* = 2
+
+
+def test_patience_counts_the_samples_of_consecutive_updates_asking_the_same_way():
+    up = optax_adascale.BatchRamp(1, 16, patience=8, policy=lambda inp: jnp.float32(16))
+    assert decide(up, 1, 0.0, streak=4) == (1, 6)  # n = 2 more samples asking to go up: 6 of 8
+    assert decide(up, 1, 0.0, streak=6) == (16, 0)  # 8: move, and the streak restarts
+    assert decide(up, 1, 0.0, streak=-6) == (1, 2)  # it asked to go down before: a new streak
+    down = optax_adascale.BatchRamp(1, 16, patience=8, policy=lambda inp: jnp.float32(1))
+    assert decide(down, 8, 0.0) == (2, 0)  # one update of n = 16 samples is enough; down to the largest rung ≤ 2
+    stay = optax_adascale.BatchRamp(1, 16, patience=8, policy=lambda inp: jnp.float32(6))
+    assert decide(stay, 4, 0.0, streak=6) == (4, 0)  # inside the dead band: the streak is broken
+
+
+def test_one_noisy_estimate_moves_nothing():
+    targets = [1.0, 1.0, 50.0, 1.0, 1.0, 1.0, 50.0, 50.0, 50.0, 50.0]  # a one-update spike, then a real change
+    k, streak, history = 1, 0, []
+    for t in targets:
+        ramp = optax_adascale.BatchRamp(1, 16, patience=8, policy=lambda inp, t=t: jnp.float32(t))  # 4 updates
+        k, streak = decide(ramp, k, 0.0, streak=streak)
+        history.append(k)
+    assert history == [1, 1, 1, 1, 1, 1, 1, 1, 1, 16]
+
+
+def test_a_skipped_update_or_a_nan_target_moves_nothing():
+    ramp = optax_adascale.BatchRamp(1, 16, patience=2)
+    assert decide(ramp, 2, 1e6, applied=False, streak=1) == (2, 1)  # a skipped update leaves the streak be
+    assert decide(ramp, 2, np.nan, streak=1) == (2, 0)
+
+
+def test_the_default_ladder_is_the_powers_of_two_between_the_ends():
+    assert optax_adascale.BatchRamp(1, 16).ladder == (1, 2, 4, 8, 16)
+    assert optax_adascale.BatchRamp(3, 20).ladder == (3, 4, 8, 16, 20)
+    assert optax_adascale.BatchRamp(4, 4).ladder == (4,)
+    assert optax_adascale.BatchRamp(1, 6, ladder=[1, 3, 6]).ladder == (1, 3, 6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(min_microbatches=0, max_microbatches=4), "min_microbatches"),
+        (dict(min_microbatches=8, max_microbatches=4), "min_microbatches <= max_microbatches"),
+        (dict(min_microbatches=1, max_microbatches=8, ladder=(1, 4, 2, 8)), "ladder must increase"),
+        (dict(min_microbatches=1, max_microbatches=8, ladder=(2, 4, 8)), "ladder must increase"),
+        (dict(min_microbatches=1, max_microbatches=8, efficiency=1.0), "efficiency"),
+        (dict(min_microbatches=1, max_microbatches=8, efficiency=0.0), "efficiency"),
+        (dict(min_microbatches=1, max_microbatches=8, hysteresis=0.5), "hysteresis"),
+        (dict(min_microbatches=1, max_microbatches=8, patience=0), "patience"),
+        (dict(min_microbatches=1, max_microbatches=8, policy="fast"), "policy"),
+        (dict(min_microbatches=1.5, max_microbatches=8), "min_microbatches"),
+    ],
+)
+def test_a_bad_ramp_raises_naming_the_argument(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        optax_adascale.BatchRamp(**kwargs)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_fairscale_estimator_with_a_ramp_raises_naming_the_fix():
+    ramp = optax_adascale.BatchRamp(2, 8)
+    with pytest.raises(ValueError, match=r"θ = max\(1 − n/1000, 0\).*smoothing="):
+        optax_adascale.adascale_sgd(0.1, accumulation_steps=ramp, estimator="fairscale")
+    # FairScale's estimator with a fixed θ is defined for any n: accepted.
+    optax_adascale.adascale_sgd(
+        0.1, accumulation_steps=ramp, estimator=optax_adascale.Estimator(fairscale=True, smoothing=0.9)
+    )
+
+
+def test_a_scale_with_a_ramp_raises():
+    with pytest.raises(ValueError, match="takes no scale="):
+        optax_adascale.adascale_sgd(0.1, accumulation_steps=optax_adascale.BatchRamp(2, 8), scale=4.0)
+
+
+def test_one_sample_at_the_lowest_rung_raises_naming_the_fix():
+    tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=optax_adascale.BatchRamp(1, 8))
+    params = jnp.zeros(2)
+    with pytest.raises(ValueError, match=r"n = 1 gradient sample.*min_microbatches >= 2"):
+        tx.update(jnp.ones(2), tx.init(params), params)
+    # Two replicas give n = 2 at k = 1: fine.
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="i", accumulation_steps=optax_adascale.BatchRamp(1, 8))
+    state = optax_adascale.replicate_buffers(tx.init(params), R)
+    axes = optax_adascale.state_axes(state)
+    jax.vmap(tx.update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")(jnp.eye(2), state, params)
+
+
+def test_a_state_without_ramp_raises_and_batch_plan_needs_a_ramp():
+    params = jnp.zeros(2)
+    static = optax_adascale.adascale_sgd(0.1, accumulation_steps=2)
+    ramped = optax_adascale.adascale_sgd(0.1, accumulation_steps=optax_adascale.BatchRamp(2, 8))
+    with pytest.raises(ValueError, match="no ramp state"):
+        ramped.update(jnp.ones(2), static.init(params), params)
+    with pytest.raises(ValueError, match="BatchRamp"):
+        optax_adascale.batch_plan(static.init(params))
+    assert "microbatches" not in optax_adascale.metrics(static.init(params))
+
+
+# --------------------------------------------------------------------------- the mechanism
+
+
+def noisy_grads(call, *, growth=0.0, dim=3):
+    """Per-replica gradients ``1 + σ_t·ξ`` (``σ_t² = e^{growth·call}``), stacked over the R replicas."""
+    key = jax.random.fold_in(jax.random.key(7), call)
+    sigma = np.exp(0.5 * growth * call)
+    return {"w": 1.0 + sigma * jax.random.normal(key, (R, dim)), "b": sigma * jax.random.normal(key, (R,))}
+
+
+PARAMS = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+WIDE = {"w": jnp.zeros(64), "b": jnp.zeros(())}  # a μ² the estimator can measure at a noise scale of 100
+
+
+def vmapped(tx, name="step", params=PARAMS):
+    state = optax_adascale.replicate_buffers(tx.init(params), R)
+    axes = optax_adascale.state_axes(state)
+
+    def body(g, s, p):
+        return tx.update(g, s, p)
+
+    body.__name__ = name
+    return state, jax.jit(jax.vmap(body, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i"))
+
+
+def train(tx, calls, **grads_kw):
+    state, step = vmapped(tx)
+    params, ks = PARAMS, []
+    for call in range(calls):
+        updates, state = step(noisy_grads(call, **grads_kw), state, params)
+        params = optax.apply_updates(params, updates)
+        s = optax_adascale.get_adascale_state(state)
+        if s.ramp is not None and int(s.micro_step) == 0:
+            ks.append(int(s.ramp.microbatches))
+    return params, state, ks
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_a_ramp_pinned_at_k_is_accumulation_steps_k(k):
+    """Bit for bit on the default ladder's powers of two; at k = 3 the division by a traced 3 may round apart from
+    XLA's division by the constant (1 ulp)."""
+    static = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=k)
+    pinned = optax_adascale.adascale_sgd(
+        0.1, momentum=0.9, axis_name="i", accumulation_steps=optax_adascale.BatchRamp(k, k)
+    )
+    p1, s1, _ = train(static, 4 * k)
+    p2, s2, _ = train(pinned, 4 * k)
+    if k & (k - 1) == 0:
+        assert bits_equal(p1, p2)
+        assert bits_equal(s1._replace(ramp=None), s2._replace(ramp=None))
+    else:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), p1, p2)
+
+
+def test_a_ramp_pinned_at_one_is_the_unaccumulated_update_to_rounding():
+    static = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i")
+    pinned = optax_adascale.adascale_sgd(
+        0.1, momentum=0.9, axis_name="i", accumulation_steps=optax_adascale.BatchRamp(1, 1)
+    )
+    (p1, _, _), (p2, _, _) = train(static, 6), train(pinned, 6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), p1, p2)
+
+
+def test_a_scheduled_ramp_is_fixed_k_optimizers_carried_over_by_transfer_state():
+    schedule = [1, 1, 2, 2, 4, 4, 2, 4]  # k of each update, down once
+    policy = lambda inp: jnp.asarray(schedule, jnp.float32)[jnp.minimum(inp.updates, len(schedule) - 1)]  # noqa: E731
+    ramp = optax_adascale.BatchRamp(1, 4, hysteresis=1.0, patience=1, policy=policy)
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
+    params, state, ks = train(tx, sum(schedule))
+    assert ks == [*schedule[1:], schedule[-1]]  # after update t the state holds k_{t+1}
+
+    ref_params, ref_state, call = PARAMS, None, 0
+    for k in schedule:  # the independent truth: a fresh fixed-k optimizer per update, the state carried over
+        fixed = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=k)
+        target, step = vmapped(fixed)
+        ref_state = target if ref_state is None else optax_adascale.transfer_state(ref_state, target)
+        for _ in range(k):
+            updates, ref_state = step(noisy_grads(call), ref_state, ref_params)
+            ref_params = optax.apply_updates(ref_params, updates)
+            call += 1
+    assert bits_equal(params, ref_params)
+    m, ref = optax_adascale.metrics(state), optax_adascale.metrics(ref_state)
+    for key in ("gain", "scale_invariant_steps", "grad_var", "grad_sqr", "scale"):
+        assert bits_equal(m[key], ref[key]), key
+
+
+@contextlib.contextmanager
+def backend_compiles(name):
+    """The XLA compilations of functions whose name contains ``name`` while the block runs (JAX's events)."""
+    seen = []
+
+    def listener(event, duration, **kw):
+        del duration
+        if event == "/jax/core/compile/backend_compile_duration" and name in str(kw.get("fun_name", "")):
+            seen.append(kw["fun_name"])
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_a_whole_measured_ramp_from_the_lowest_rung_to_the_highest_compiles_once():
+    # The per-sample variance grows ×e every 100 calls: the noise scale B = 65σ²/64 climbs from 1 to ~1000.
+    ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.5)  # the critical batch: k* = (B + 2)/2
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
+    state, step = vmapped(tx, name="whole_ramp_step", params=WIDE)
+    params, ks = WIDE, []
+    with backend_compiles("whole_ramp_step") as compiles:
+        for call in range(700):
+            updates, state = step(noisy_grads(call, growth=0.01, dim=64), state, params)
+            params = optax.apply_updates(params, updates)
+            if int(state.micro_step) == 0:
+                ks.append(int(state.ramp.microbatches))
+    visited = list(dict.fromkeys(ks))
+    # From the lowest rung to the highest, up only, through the rungs between (the largest rung ≤ k* at each move).
+    assert visited[0] == 1 and visited[-1] == 16 and visited == sorted(visited) and len(visited) >= 4, visited
+    assert step._cache_size() == 1
+    assert len(compiles) == 1, compiles
+    m = optax_adascale.metrics(state)
+    assert float(m["scale"]) == 32 and 1 <= float(m["gain"]) <= 32
+
+
+def test_adamw_ramps_with_the_gain_in_one_to_s():
+    ramp = optax_adascale.BatchRamp(1, 8, efficiency=0.5)
+    tx = optax_adascale.adascale_adamw(1e-3, weight_decay=0.0, axis_name="i", accumulation_steps=ramp)
+    state, step = vmapped(tx, params=WIDE)
+    params, scales = WIDE, set()
+    for call in range(300):
+        updates, state = step(noisy_grads(call, growth=0.02, dim=64), state, params)
+        params = optax.apply_updates(params, updates)
+        if int(state.micro_step) == 0:
+            m = optax_adascale.metrics(state)
+            scales.add(float(m["scale"]))
+            assert 1.0 <= float(m["gain"]) <= float(m["scale"])
+    assert scales == {2.0, 4.0, 8.0, 16.0} and step._cache_size() == 1
+
+
+def test_the_estimator_with_a_traced_n_is_the_formula():
+    a, b = jnp.array([3.0, 2.0]), jnp.array([1.0, 0.5])
+    static = step_moments(a, b, 6, 6, 1e-6, floor_sqr=False)
+    traced = jax.jit(lambda n: step_moments(a, b, n, n, 1e-6, floor_sqr=False))(jnp.int32(6))
+    by_hand = (6 / 5 * (a - b), b - (a - b) / 5)
+    for x, y, z in zip(static, traced, by_hand, strict=True):
+        np.testing.assert_allclose(x, z, rtol=1e-6)
+        np.testing.assert_allclose(y, z, rtol=1e-6)
+
+
+def test_readers_say_where_the_loader_stands():
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="i", accumulation_steps=optax_adascale.BatchRamp(3, 12))
+    state, step = vmapped(tx)
+    plan = optax_adascale.batch_plan(state)
+    assert {k: int(v) for k, v in plan.items()} == {
+        "microbatches": 3,
+        "remaining": 3,
+        "scale": 0,
+        "microbatches_seen": 0,
+    }
+    for call in range(4):
+        _, state = step(noisy_grads(call), state, PARAMS)
+    plan = {k: int(v) for k, v in optax_adascale.batch_plan(state).items()}
+    assert plan == {"microbatches": 3, "remaining": 2, "scale": 6, "microbatches_seen": 4}
+    m = optax_adascale.metrics(state)
+    assert int(m["microbatches"]) == 3 and int(m["next_scale"]) == 6 and int(m["microbatches_seen"]) == 4
+    assert float(m["scale"]) == 6  # the last update's S
+
+
+def test_a_skipped_window_keeps_k_and_counts_its_calls():
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="i", accumulation_steps=optax_adascale.BatchRamp(2, 8))
+    state, step = vmapped(tx)
+    bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), noisy_grads(0))
+    _, state = step(noisy_grads(1), state, PARAMS)
+    _, state = step(bad, state, PARAMS)
+    plan = {k: int(v) for k, v in optax_adascale.batch_plan(state).items()}
+    assert plan["microbatches"] == 2 and plan["remaining"] == 2 and plan["microbatches_seen"] == 2
+    assert int(optax_adascale.metrics(state)["skipped_steps"]) == 1
+
+
+def test_transfer_state_into_and_out_of_a_ramp():
+    static = optax_adascale.adascale_sgd(0.1, axis_name="i", accumulation_steps=2)
+    _, state, _ = train(static, 4)
+    ramped = optax_adascale.adascale_sgd(0.1, axis_name="i", accumulation_steps=optax_adascale.BatchRamp(2, 8))
+    target, _ = vmapped(ramped)
+    moved = optax_adascale.transfer_state(state, target)
+    assert int(moved.ramp.microbatches) == 2 and float(moved.tau_whole) == float(state.tau_whole)
+    back = optax_adascale.transfer_state(moved, vmapped(static)[0])
+    assert back.ramp is None and bits_equal(back.grad_var, state.grad_var)
+
+
+MOVING = dict(hysteresis=1.0, patience=1, policy=lambda inp: jnp.where(inp.updates % 4 < 2, 2.0, 1.0))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(shard_optimizer_state=R),
+        dict(param_labels={"w": "a", "b": "c"}),
+        dict(delayed_gain=True),
+        dict(inject=True),
+    ],
+    ids=["ZeRO", "param_labels", "delayed_gain", "inject_hyperparams"],
+)
+def test_a_ramp_composes_with_the_other_options(variant):
+    """The same ramp (k = 2, 2, 1, 1, ...) with ZeRO rows, labels, delayed gain or inject_hyperparams: one compile,
+    the same rungs, the gain in [1, S]; ZeRO and inject_hyperparams train as the plain ramp does."""
+    ramp = optax_adascale.BatchRamp(1, 2, **MOVING)
+    plain = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
+    variant = dict(variant)
+    if variant.pop("inject", False):
+        factory = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("learning_rate",))
+        tx = factory(learning_rate=0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
+    else:
+        tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp, **variant)
+    p_ref, _, ks_ref = train(plain, 18)
+    params, state, ks = train(tx, 18)
+    assert ks == ks_ref and set(ks) == {1, 2}
+    m = optax_adascale.metrics(state)
+    assert 1.0 <= float(m["gain"]) <= float(m["scale"])
+    if "param_labels" not in variant and "delayed_gain" not in variant:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, p_ref)

@@ -1,0 +1,85 @@
+"""A run restored from an Orbax checkpoint mid-ramp and mid-accumulation-window is the uninterrupted run, bit for
+bit, and its loader, positioned from the optimizer state, feeds every example once: none dropped or repeated
+across the changes of ``S`` or across the restore.
+"""
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from helpers import DIM, bits_equal, init_mlp, mlp_loss
+
+import optax_adascale
+
+R, ROWS, EXAMPLES, CALLS = 2, 3, 240, 36
+SCHEDULE = optax.exponential_decay(0.3, transition_steps=10, decay_rate=0.5)
+
+
+def dataset():
+    kx, ky = jax.random.split(jax.random.key(3))
+    x = np.asarray(jax.random.normal(kx, (EXAMPLES, DIM)))
+    return x, np.asarray(jax.random.randint(ky, (EXAMPLES,), 0, 3))
+
+
+def microbatch(position):
+    """Call ``position``'s micro-batch for every replica: rows ``[position·R·m, (position + 1)·R·m)`` of a
+    permutation of the data set (one epoch here), whatever the ramp's ``k``."""
+    order = np.random.default_rng(0).permutation(EXAMPLES)
+    rows = order[position * R * ROWS : (position + 1) * R * ROWS]
+    x, y = dataset()
+    return x[rows].reshape(R, ROWS, DIM), y[rows].reshape(R, ROWS), rows
+
+
+def make():
+    ramp = optax_adascale.BatchRamp(1, 4, efficiency=0.5, patience=1)
+    tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, axis_name="i", accumulation_steps=ramp)
+    fresh = optax_adascale.replicate_buffers(tx.init(init_mlp()), R)
+    axes = optax_adascale.state_axes(fresh)
+
+    def replica_step(params, state, x, y):
+        updates, state = tx.update(jax.grad(mlp_loss)(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.vmap(replica_step, in_axes=(None, axes, 0, 0), out_axes=(None, axes), axis_name="i"))
+    return step, fresh
+
+
+def train(step, params, state, until, fed):
+    """The user's loop: the position comes from the state; stop after call ``until``."""
+    while int(optax_adascale.batch_plan(state)["microbatches_seen"]) < until:
+        x, y, rows = microbatch(int(optax_adascale.batch_plan(state)["microbatches_seen"]))
+        fed.extend(rows.tolist())
+        params, state = step(params, state, x, y)
+    return params, state
+
+
+def test_a_run_restored_mid_ramp_and_mid_window_is_the_uninterrupted_run_bit_for_bit(tmp_path):
+    step, fresh = make()
+    fed_straight = []
+    straight = train(step, init_mlp(), fresh, CALLS, fed_straight)
+
+    fed = []
+    params, state = train(step, init_mlp(), fresh, 0, fed)
+    # Stop where the ramp has moved and a window is half full.
+    while True:
+        params, state = train(step, params, state, int(optax_adascale.batch_plan(state)["microbatches_seen"]) + 1, fed)
+        s = optax_adascale.get_adascale_state(state)
+        if int(s.micro_step) > 0 and int(s.ramp.microbatches) > 1 and int(s.count) >= 3:
+            break
+    stopped_at = int(optax_adascale.batch_plan(state)["microbatches_seen"])
+    assert stopped_at < CALLS
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+    del params, state
+    _, fresh_again = make()  # a new process would build the optimizer again
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "ckpt", {"params": init_mlp(), "opt_state": fresh_again})
+        without_target = ckpt.restore(tmp_path / "ckpt")
+    assert int(optax_adascale.batch_plan(without_target["opt_state"])["microbatches_seen"]) == stopped_at
+    resumed = train(step, restored["params"], restored["opt_state"], CALLS, fed)
+
+    assert bits_equal(resumed, straight)
+    assert fed == fed_straight  # the same examples, in the same order
+    assert sorted(fed) == sorted(set(fed)) and len(fed) == CALLS * R * ROWS  # none repeated, none skipped
+    ks = {int(k) for k in np.asarray(straight[1].ramp.microbatches).ravel()}
+    assert max(ks) > 1
