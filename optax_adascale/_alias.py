@@ -21,7 +21,9 @@ def _decayed_weights(weight_decay: Any) -> optax.GradientTransformation:
         if zero:
             return updates, state
         if params is None:
-            raise ValueError("weight_decay > 0 needs params: call update(grads, opt_state, params)")
+            traced = _checks.concrete_float(weight_decay) is None  # optax.inject_hyperparams: unknown until run
+            shown = "weight_decay (a hyperparameter of optax.inject_hyperparams)" if traced else "weight_decay > 0"
+            raise ValueError(f"{shown} needs params: call update(grads, opt_state, params)")
         return jax.tree.map(lambda g, p: g + weight_decay * p, updates, params), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

@@ -116,6 +116,7 @@ def _refuse_wrappers_around(opt_state: Any) -> None:
                 "steps, or optax_adascale.value_and_grad(loss_fn, data_axes=..., num_microbatches=k) in a jit "
                 "step over the global batch."
             )
+        _check_structural_hyperparams(node.hyperparams, inside)
         scheduled = sorted(k for k in node.hyperparams_states if "learning_rate" in k or k in ("lr", "step_size"))
         if scheduled:
             raise ValueError(
@@ -123,9 +124,29 @@ def _refuse_wrappers_around(opt_state: Any) -> None:
                 "evaluates it on its own iteration count and hands AdaScale a number, but AdaScale runs the "
                 "schedule on the scale-invariant step τ, which advances gain times faster. Hand the schedule to "
                 "AdaScale itself: optax.inject_hyperparams(factory, static_args=('learning_rate',))"
-                "(learning_rate=schedule, ...), or call the factory without inject_hyperparams; the learning rate "
-                "AdaScale applied is metrics(opt_state)['learning_rate']."
+                "(learning_rate=schedule, ...) (the other hyperparameters stay injected), or call the factory "
+                "without inject_hyperparams; the learning rate AdaScale applied is "
+                "metrics(opt_state)['learning_rate']."
             )
+
+
+def _check_structural_hyperparams(hyperparams: Mapping[str, Any], inside: Any) -> None:
+    """``accumulation_steps`` under ``optax.inject_hyperparams`` is an entry of ``opt_state.hyperparams`` but shapes
+    the state: with no accumulation buffers it is 1, and setting it to anything else would change nothing."""
+    value = hyperparams.get("accumulation_steps")
+    if value is None or isinstance(value, jax.core.Tracer):
+        return
+    found: list[AdaScaleState] = []
+    _search(inside, found)
+    k = np.asarray(jax.device_get(value))
+    if len(found) == 1 and found[0].acc_grads is None and k.size == 1 and int(k) != 1:
+        raise ValueError(
+            f"opt_state.hyperparams['accumulation_steps'] is {int(k)}, but this AdaScale state was built for "
+            "accumulation_steps=1 (it has no accumulation buffers), so the value changes nothing: accumulation_steps "
+            "shapes the state and is fixed when the optimizer is built. Build the optimizer with "
+            "accumulation_steps=k (optax.inject_hyperparams(factory, static_args=('accumulation_steps',))) and move "
+            "the state over with optax_adascale.transfer_state(opt_state, new_tx.init(params))."
+        )
 
 
 def scale_invariant_steps(opt_state: Any) -> jax.Array:

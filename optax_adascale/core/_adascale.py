@@ -91,7 +91,7 @@ def _init(
     scalar = lambda dtype=jnp.float32: jnp.zeros([], dtype)  # noqa: E731 - a fresh buffer per field (donation)
     per_group = lambda value: groups.pack(jnp.full((groups.size,), value, jnp.float32))  # noqa: E731
     acc_grads = acc_sq = None
-    if collection.accumulation_steps > 1:
+    if accumulation_steps(collection, None) > 1:
         acc_grads = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_norms.compute_dtype(p.dtype)), params)
         acc_sq = jnp.zeros((groups.size,), jnp.float32)
     return AdaScaleState(
@@ -136,24 +136,38 @@ def _update(
     _checks.check_grads(grads, params)
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
     axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
-    samples = _samples.Samples.of(
-        grads, microbatch_stats, collection.accumulation_steps, collection.precondition, state.inner_state
-    )
+    k = accumulation_steps(collection, state)
+    samples = _samples.Samples.of(grads, microbatch_stats, k, collection.precondition, state.inner_state)
     strategy = reduction.for_samples(samples)
     strategy.check(axes, state, params)
     local_sq = groups.sums(axes.model.mask(samples.sq_leaves))
 
-    n = axes.replicas * collection.accumulation_steps * samples.count
+    n = axes.replicas * k * samples.count
     S = _scale(collection, n, axes.replicas)
     shape = _step.Shape(groups=groups, axes=axes, n=n, S=S)
 
     def step(local_grads, local_sq, state):
         return strategy.step(update, shape, local_grads, local_sq, state, params, extra_args, samples)
 
-    if collection.accumulation_steps == 1:
+    if k == 1:
         return step(grads, local_sq, state)
     _collect.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
-    return _accumulate.accumulate(collection.accumulation_steps, grads, local_sq, state, step)
+    return _accumulate.accumulate(k, grads, local_sq, state, step)
+
+
+def accumulation_steps(collection: _options.Options, state: AdaScaleState | None) -> int:
+    """``k``, a Python int. ``optax.inject_hyperparams`` hands the factory an int as an array of its state,
+    traced in a jitted ``update``; the state it was built for then says ``k = 1`` (no buffers)."""
+    k = collection.accumulation_steps
+    if isinstance(k, int):
+        return k
+    if state is not None and state.acc_grads is None:
+        return 1
+    raise TypeError(
+        "accumulation_steps > 1 reaches AdaScale as a traced array: optax.inject_hyperparams made it a "
+        "hyperparameter of its state, but k shapes the program and cannot change inside jax.jit. Keep it "
+        "static: optax.inject_hyperparams(factory, static_args=('accumulation_steps',))(..., accumulation_steps=k)."
+    )
 
 
 def _scale(collection: _options.Options, n: int, replicas: int) -> Any:

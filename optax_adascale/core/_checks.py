@@ -84,7 +84,7 @@ def check_number(
         raise TypeError(f"{name} must be a number, got {name}={value!r}")
     x = concrete_float(value)
     if x is None:
-        raise TypeError(f"{name} must be a real number, got {name}={value!r}")
+        raise TypeError(f"{name} must be a real number, got {name}={_describe(value)}")
     kind = "an integer" if integer else "finite"
     left = "(" if low_open or low is None else "["  # an infinite end is never included: values are finite
     right = ")" if high_open or high is None else "]"
@@ -99,14 +99,33 @@ def check_number(
 def check_static_int(name: str, value: Any, *, low: int = 1, hint: str = "") -> None:
     """Raise unless ``value`` is a Python int ``>= low`` (not an array: it shapes the program)."""
     if _is_traced(value) or hasattr(value, "dtype"):
-        raise TypeError(
-            f"{name} must be a static Python int, got an array ({value!r}). With "
-            f"optax.inject_hyperparams pass static_args=('{name}', ...).{hint}"
-        )
+        raise TypeError(f"{name} must be a static Python int, got an array ({_describe(value)}).{hint}")
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int >= {low}, got {name}={value!r}")
+        raise TypeError(f"{name} must be an int >= {low}, got {name}={_describe(value)}")
     if value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+
+
+def static_int(name: str, value: Any, *, low: int = 1) -> Any:
+    """``value`` as a Python int ``>= low``, also from a concrete integer array; a traced value as it is.
+
+    ``optax.inject_hyperparams`` turns every int argument of a factory into an array of its state and
+    calls the factory again inside ``update`` with that array, traced under ``jax.jit``: the caller
+    resolves a traced value from the state it was built for (see ``_adascale.accumulation_steps``).
+    """
+    if _is_traced(value):
+        return value
+    if hasattr(value, "dtype") and np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer):
+        value = int(value)
+    check_static_int(name, value, low=low)
+    return value
+
+
+def _describe(value: Any) -> str:
+    """``repr(value)``, or for an array of more than one element its shape and dtype (never all its values)."""
+    if np.ndim(value) > 0 and np.size(value) > 1:
+        return f"an array of shape {tuple(np.shape(value))} and dtype {jnp.result_type(value)}"
+    return repr(value)
 
 
 def check_learning_rate(learning_rate: Any) -> None:
@@ -117,6 +136,12 @@ def check_learning_rate(learning_rate: Any) -> None:
     """
     if callable(learning_rate):
         return
+    if not _is_traced(learning_rate) and np.ndim(learning_rate) > 0 and np.size(learning_rate) > 1:
+        raise TypeError(
+            f"learning_rate must be a number or a schedule (a function of the step), got {_describe(learning_rate)}."
+            " To follow a table of values, pass a function of the step: table = jnp.asarray(values); "
+            "learning_rate=lambda t: table[jnp.minimum(t, len(table) - 1)]"
+        )
     if concrete_float(learning_rate) is None and not _is_traced(learning_rate) and not hasattr(learning_rate, "dtype"):
         raise TypeError(f"learning_rate must be a number or a schedule, got learning_rate={learning_rate!r}")
     check_number("learning_rate", learning_rate, low=0.0)

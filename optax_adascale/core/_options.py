@@ -28,6 +28,8 @@ class Options:
         reduced from :func:`~optax_adascale.value_and_grad` under ``jax.jit``).
       accumulation_steps: ``k ≥ 1``: each call adds its gradient to per-replica
         buffers and returns zero updates; the ``k``-th call reduces once and steps.
+        Traced where ``optax.inject_hyperparams`` calls the factory inside ``update``
+        (then the state says ``k``: see ``_adascale.accumulation_steps``).
       scale: ``S``, base batches per update; ``None``: the number of samples ``n``.
       estimator: the :class:`~optax_adascale.Estimator` (the moving averages' memory).
       param_labels: labels shaped like the params (or ``params -> labels``), as in
@@ -36,7 +38,8 @@ class Options:
         types cannot tell which parameters are split over model axes
         (``check_vma=False``, ``jax.pmap``).
       shard_optimizer_state: ``None`` (replicated) or ``n``, the data-parallel
-        size: the ZeRO layout.
+        size: the ZeRO layout (traced under ``optax.inject_hyperparams``: then ``n``
+        is the data axes' size at the call).
       delayed_gain: the gain of update ``t`` from the averages through ``t − 1``.
       averaging: ``"debiased"`` or ``"paper"`` (experimental).
       gain_exponent: ``p`` in the step ``r^p·lr`` (experimental).
@@ -83,7 +86,7 @@ def create(
     0.2's estimator keywords (folded into the estimator, with a warning) and
     nothing else (``TypeError``, as Python says for an unknown keyword).
     """
-    _checks.check_static_int("accumulation_steps", accumulation_steps)
+    accumulation_steps = _checks.static_int("accumulation_steps", accumulation_steps)
     _checks.check_number("scale", scale, low=1.0)
     _checks.check_bool("delayed_gain", delayed_gain)
     _checks.check_choice("averaging", averaging, est.AVERAGING_MODES)
@@ -91,7 +94,7 @@ def create(
     if precondition is not None and not callable(precondition):
         raise TypeError(f"precondition must be a function of inner's state, got precondition={precondition!r}")
     if shard_optimizer_state is not None:
-        _checks.check_static_int("shard_optimizer_state", shard_optimizer_state)
+        shard_optimizer_state = _checks.static_int("shard_optimizer_state", shard_optimizer_state)
         if axis_name is None:
             raise ValueError(
                 f"shard_optimizer_state={shard_optimizer_state!r} shards over the data axes, but axis_name=None; "

@@ -72,10 +72,16 @@ BAD_INPUTS = {
         TypeError,
         r"accumulation_steps=2\.0",
     ),
-    "accumulation_steps=array": (
-        lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=jnp.array(2)),
+    "accumulation_steps=float array": (
+        lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=jnp.array(2.0)),
         TypeError,
-        r"static_args",
+        r"accumulation_steps must be a static Python int",
+    ),
+    "learning_rate=an array of 100 values": (
+        lambda: optax_adascale.adascale_sgd(jnp.linspace(0.1, 0.0, 100)),
+        TypeError,
+        r"^learning_rate must be a number or a schedule .*got an array of shape \(100,\) and dtype float32\. "
+        r"To follow a table of values, pass a function of the step: [^\[\]]*\[jnp\.minimum\(t, len\(table\) - 1\)\]$",
     ),
     "scale=0.5": (lambda: optax_adascale.adascale_sgd(0.1, scale=0.5), ValueError, r"scale=0\.5"),
     "smoothing=1.0": (lambda: optax_adascale.adascale_sgd(0.1, smoothing=1.0), ValueError, r"smoothing=1\.0"),
