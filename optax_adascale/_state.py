@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_adascale.core import _read
+from optax_adascale.core import _checks, _read
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.tools import _noise
 
@@ -109,13 +109,7 @@ def _refuse_wrappers_around(opt_state: Any) -> None:
         if not wrapper(node) or not holds_adascale(inside):
             continue
         if isinstance(node, optax.MultiStepsState):
-            raise ValueError(
-                "optax.MultiSteps around AdaScale: MultiSteps averages k calls' gradients and passes AdaScale the "
-                "last call's statistics only, so its samples, scale and gain are one call's, not the k calls'. "
-                "Accumulate inside AdaScale instead: adascale_sgd(..., accumulation_steps=k) for per-replica "
-                "steps, or optax_adascale.value_and_grad(loss_fn, data_axes=..., num_microbatches=k) in a jit "
-                "step over the global batch."
-            )
+            raise ValueError(_checks.MULTISTEPS_AROUND)
         _check_structural_hyperparams(node.hyperparams, inside)
         scheduled = sorted(k for k in node.hyperparams_states if "learning_rate" in k or k in ("lr", "step_size"))
         if scheduled:

@@ -132,6 +132,7 @@ def _update(
     extra_args: dict[str, Any],
 ):
     """Local statistics, then one AdaScale step (or an accumulation-only call)."""
+    _checks.check_not_inside_multisteps()
     _checks.check_opt_state(state, AdaScaleState._fields)
     _checks.check_grads(grads, params)
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)

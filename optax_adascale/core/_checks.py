@@ -282,6 +282,29 @@ def check_inner_state(inner_state: Any) -> None:
         )
 
 
+MULTISTEPS_AROUND = (
+    "optax.MultiSteps around AdaScale: MultiSteps averages k calls' gradients and passes AdaScale the last call's "
+    "statistics only, so its samples, scale and gain are one call's, not the k calls'. Accumulate inside AdaScale "
+    "instead: adascale_sgd(..., accumulation_steps=k) for per-replica steps, or "
+    "optax_adascale.value_and_grad(loss_fn, data_axes=..., num_microbatches=k) in a jit step over the global batch."
+)
+
+
+def check_not_inside_multisteps() -> None:
+    """Raise if ``update`` runs inside ``optax.MultiSteps.update`` (AdaScale wrapped by MultiSteps).
+
+    Seen from the Python stack while ``update`` is traced (MultiSteps calls it inside its own ``update``;
+    its state would otherwise be refused only when read, and under ``jax.vmap`` JAX fails first on
+    MultiSteps' per-replica accumulator). Where optax has no ``MultiSteps.update`` this checks nothing.
+    """
+    code = getattr(getattr(optax.MultiSteps, "update", None), "__code__", None)
+    frame: Any = sys._getframe(1)
+    while code is not None and frame is not None:
+        if frame.f_code is code:
+            raise ValueError(MULTISTEPS_AROUND)
+        frame = frame.f_back
+
+
 def probe_inner(inner: optax.GradientTransformationExtraArgs, params: Any) -> None:
     """Reject an ``inner`` that carries its own (negative-signed) learning rate, e.g. ``optax.sgd(lr)``.
 

@@ -2,7 +2,8 @@
 
 (i) ``optax.inject_hyperparams`` evaluating a learning-rate schedule on its own count (Levanter);
 (ii) count-based schedule readers and ``optax.scale_by_schedule`` (big_vision, Flax, MaxText);
-(iii) gradients averaged before the optimizer (Flax imagenet under pmap).
+(iii) gradients averaged before the optimizer (Flax imagenet under pmap);
+(iv) ``optax.MultiSteps`` around AdaScale.
 """
 
 import jax
@@ -223,6 +224,27 @@ def test_gradients_pmeaned_before_update_under_shard_map_raise():
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
     with pytest.raises(ValueError, match="not per-replica gradients"):
         f(tx.init(params), _local_grads())
+
+
+# --------------------------------------------------------------------------- (iv) optax.MultiSteps around AdaScale
+
+
+@pytest.mark.parametrize("front_door", ["vmap", "pmap", "shard_map"])
+def test_multisteps_around_adascale_is_refused_by_our_message_at_every_front_door(front_door):
+    # Under vmap JAX failed first ("vmap has mapped output but out_axes is None"), under shard_map a generic
+    # "does not vary" listed three causes, under pmap it ran until a reader refused the state.
+    tx = optax.MultiSteps(optax_adascale.adascale_sgd(0.1, axis_name="i"), every_k_schedule=2)
+    params = jnp.zeros(N)
+    if front_door == "vmap":
+        step = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i"))
+    elif front_door == "pmap":
+        step = jax.pmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
+    else:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+        local = lambda g, s, p: tx.update(g[0], s, p)  # noqa: E731
+        step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("i"), P(), P()), out_specs=(P(), P())))
+    with pytest.raises(ValueError, match=r"^optax.MultiSteps around AdaScale.*accumulation_steps=k"):
+        step(jnp.eye(N), tx.init(params), params)
 
 
 # --------------------------------------------------------------------------- clipping before update
