@@ -84,6 +84,7 @@ def _init(
     collection: _options.Options, reduction: Any, inner: optax.GradientTransformationExtraArgs, params: Any
 ) -> AdaScaleState:
     _checks.check_inexact(params, "params")
+    _checks.check_has_leaves(params, "params")
     groups = _groups.resolve_groups(collection.param_labels, params)
     _checks.probe_inner(inner, params)
     inner_state = reduction.init_inner(inner, params)
@@ -135,6 +136,7 @@ def _update(
     _checks.check_not_inside_multisteps()
     _checks.check_opt_state(state, AdaScaleState._fields)
     _checks.check_grads(grads, params)
+    _checks.check_has_leaves(grads, "grads")
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
     axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
     k = accumulation_steps(collection, state)

@@ -196,6 +196,19 @@ def check_inexact(tree: Any, name: str) -> None:
             )
 
 
+def check_has_leaves(tree: Any, name: str, where: str = "AdaScale") -> None:
+    """Raise if ``tree`` has no array leaves (``{}``, ``None`` leaves only, or every leaf masked off by optax)."""
+    if jax.tree.leaves(tree):
+        return
+    shown = repr(tree) if len(repr(tree)) <= 120 else repr(tree)[:117] + "..."
+    raise ValueError(
+        f"{where} got {name} with no array leaves ({name}={shown}): nothing to train. With no gradient the "
+        "estimator would read pure noise: gain S and τ += S per update while no parameter moves. If every "
+        "parameter is frozen, leave AdaScale out of the optimizer (or give this optax.multi_transform / "
+        "optax.masked label at least one trainable parameter)."
+    )
+
+
 def check_grads(grads: Any, params: Any) -> None:
     """Gradients are inexact and shaped like the params."""
     check_inexact(grads, "grads")

@@ -337,18 +337,22 @@ def test_a_single_replica_axis_warns_that_adascale_is_the_identity():
 # --------------------------------------------------------------------------- odd trees
 
 
-def test_empty_param_tree_is_a_harmless_no_op():
-    # No gradient means no signal: σ̂² = eps, μ̂² = 0, so the gain is S (as FairScale computes it).
-    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, accumulation_steps=2)
-    state = tx.init({})
-    update = jax.jit(tx.update)
-    for _ in range(2):
-        updates, state = update({}, state, {})
-    assert updates == {}
-    m = optax_adascale.metrics(state)
-    assert int(state.count) == 1 and int(m["skipped_steps"]) == 0
-    assert float(m["gain"]) == 2.0 and float(m["noise_scale"]) == np.inf  # pure noise: σ̄² = eps, μ̄² = 0
-    assert all(np.isfinite(float(v)) for k, v in m.items() if k != "noise_scale")
+EMPTY_TREES = {
+    "empty": lambda tx: tx.init({}),
+    "only None": lambda tx: tx.init({"w": None}),
+    "all frozen by multi_transform": lambda tx: optax.multi_transform(
+        {"train": tx, "frozen": optax.set_to_zero()}, {"w": "frozen", "b": "frozen"}
+    ).init(PARAMS),
+}
+
+
+@pytest.mark.parametrize("init", EMPTY_TREES.values(), ids=EMPTY_TREES.keys())
+def test_a_param_tree_with_nothing_to_train_is_refused_at_init_naming_the_fix(init):
+    # It used to train on nothing: with no gradient σ̂² = eps and μ̂² = 0, so the vmap path reported gain S and
+    # advanced τ by S per update while no parameter moved.
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i")
+    with pytest.raises(ValueError, match=r"AdaScale got params with no array leaves.*leave AdaScale out"):
+        init(tx)
 
 
 def test_scalar_params_with_per_replica_accumulation():

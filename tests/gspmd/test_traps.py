@@ -46,6 +46,17 @@ def test_data_axes_naming_an_axis_the_batch_is_not_sharded_over_raises():
         fn(init_params(), x, y)
 
 
+@pytest.mark.parametrize("params", [{}, {"w": None}], ids=["empty", "only None"])
+@pytest.mark.parametrize("data_axes", ["data", None], ids=["global batch", "per replica"])
+def test_params_with_nothing_to_differentiate_are_refused_naming_the_fix(params, data_axes):
+    # 0.3 raised JAX's "in_specs passed to shard_map ..." on the global batch.
+    mesh = jax.make_mesh((8,), ("data",))
+    x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch())
+    fn = jax.jit(optax_adascale.value_and_grad(lambda p, x, y: loss_fn(init_params(), x, y), data_axes=data_axes))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"^value_and_grad got params with no array leaves"):
+        fn(params, x, y)
+
+
 def test_a_one_device_data_axis_warns_that_adascale_is_the_identity():
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch())
