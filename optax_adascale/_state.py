@@ -168,7 +168,8 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     learning rates, ``skipped_negative_lr_steps`` for a negative learning rate),
     ``floored_steps`` (applied updates whose variance estimate was zero up to
     rounding: if it grows with ``count``, the replicas see identical
-    gradients — typically gradients averaged *before* ``update``),
+    gradients — typically gradients averaged *before* ``update``; :func:`done`
+    warns once it is half of 10 or more updates),
     ``noise_scale`` (``B_noise = σ̄²/μ̄²``, McCandlish et al. 2018: the critical
     batch size in base batches — well below it a larger batch buys an almost
     proportional speed-up, well above it little; ``+inf`` for pure noise, 0
@@ -233,8 +234,11 @@ def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> b
     A run whose updates are all skipped (a schedule or model that makes every
     step non-finite) never advances ``τ``, so a bare ``while τ < T`` loop would
     never end; this raises instead once ``max_skip_streak`` consecutive updates
-    were skipped. Reads two scalars from the device (a host sync, like any
-    loop condition on ``τ``).
+    were skipped. Reads a few scalars from the device (a host sync, like any
+    loop condition on ``τ``). Warns (``UserWarning``) once 10 or more updates
+    were applied and at least half of them had replicas that agreed exactly
+    (``metrics()["floored_steps"]``): gradients averaged before ``update``, or one
+    batch read by every replica, leave the gain at 1.
 
     Args:
       opt_state: any state containing an AdaScale state.
@@ -262,5 +266,26 @@ def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> b
             "so τ cannot advance. Check the loss for NaN/inf, lower the learning rate, or check that the "
             "schedule returns finite, non-negative values."
         )
+    _warn_if_mostly_floored(s)
     tau = np.asarray(jax.device_get(scale_invariant_steps(s)))
     return bool(np.min(tau) >= total_steps)
+
+
+# done() warns once FLOORED_RUN or more updates were applied and at least half of them had a zero variance estimate.
+FLOORED_RUN = 10
+
+
+def _warn_if_mostly_floored(s: AdaScaleState) -> None:
+    """The signature of gradients averaged before ``update`` (or of every replica reading the same batch): the
+    replicas' samples agree exactly, so the variance estimate sits at its floor and the gain at 1. Nothing inside
+    jit can warn; ``done`` reads the state on the host anyway."""
+    count = int(np.max(np.asarray(jax.device_get(_value(s.count)))))
+    floored = int(np.max(np.asarray(jax.device_get(_value(s.floored_steps)))))
+    if count >= FLOORED_RUN and 2 * floored >= count:
+        _checks.warn(
+            "AdaScale's replicas agreed exactly (a zero variance estimate) in at least half of the updates so far "
+            "(metrics(opt_state)['floored_steps'] against the update count), so the gain stays at 1: AdaScale sees "
+            "one gradient, not one per replica. Usual causes: the gradients were averaged before update (a "
+            "jax.lax.pmean/psum over the data axis, e.g. Flax's imagenet example): pass each replica's own gradient, "
+            "AdaScale reduces it itself; or every replica read the same batch: shard the batch over the data axis."
+        )

@@ -147,6 +147,8 @@ def _update(
 
     n = axes.replicas * k * samples.count
     S = _scale(collection, n, axes.replicas)
+    if n == 1 and collection.axis_name is None and microbatch_stats is None:
+        _collect.warn_if_partitioned(grads)
     shape = _step.Shape(groups=groups, axes=axes, n=n, S=S)
 
     def step(local_grads, local_sq, state):

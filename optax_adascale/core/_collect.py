@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_adascale import _compat
-from optax_adascale.core import _groups
+from optax_adascale.core import _checks, _groups
 from optax_adascale.core._norms import STAT_DTYPE, leaf_sq_norm, low_precision
 
 Array = jax.Array
@@ -90,6 +90,48 @@ def manual_axes() -> tuple[str, ...]:
         return tuple(getattr(mesh, "manual_axes", ()))
     except Exception:  # noqa: BLE001 - no mesh context API: nothing to report
         return ()
+
+
+def partitioned_axes(tree: Any) -> dict[str, int]:
+    """The mesh axes (name → size, sizes > 1) a jit step over ``tree`` is partitioned over by the compiler.
+
+    Read from the arrays' types (their sharding's mesh: Explicit meshes, and arrays placed on any mesh)
+    and from the context mesh (``jax.set_mesh``); manual axes (shard_map's, pmap's) are not the
+    partitioner's and do not count. Empty on one device, under ``vmap``, and where nothing records
+    the mesh (uncommitted arrays placed by ``jax.jit``'s ``in_shardings`` alone).
+    """
+    meshes = [jax.sharding.get_abstract_mesh()]
+    meshes += [getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None) for leaf in jax.tree.leaves(tree)]
+    found: dict[str, int] = {}
+    for mesh in meshes:
+        if mesh is None or getattr(mesh, "empty", True):
+            continue
+        kinds = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()), strict=False))
+        for name, size in dict(mesh.shape).items():
+            if size > 1 and kinds.get(name) != jax.sharding.AxisType.Manual:
+                found[name] = int(size)
+    return found
+
+
+def warn_if_partitioned(grads: Any) -> None:
+    """Warn where ``update`` sees ``n = 1`` sample (no ``axis_name``, no ``microbatch_stats``) in a step over several
+    devices: a jit step over the global batch that forgot ``microbatch_stats=stats`` trains at gain 1."""
+    axes = partitioned_axes(grads)
+    if not axes:
+        return
+    devices = 1
+    for size in axes.values():
+        devices *= size
+    data = next(iter(axes))
+    _checks.warn(
+        f"update got no microbatch_stats and the optimizer has no axis_name, but this step is partitioned over "
+        f"{devices} devices (mesh axes {axes}): AdaScale sees n = 1 gradient sample per update and is the identity "
+        "(gain 1, S = 1: plain SGD on lr(t)). In a jax.jit step over the global batch take the statistics from the "
+        f"drop-in and pass them: loss, grads, stats = optax_adascale.value_and_grad(loss_fn, data_axes={data!r})"
+        "(params, *batch); tx.update(grads, opt_state, params, microbatch_stats=stats). If no mesh axis is data "
+        "parallel (tensor parallelism alone), take samples as micro-batches: value_and_grad(loss_fn, "
+        "num_microbatches=k)."
+    )
 
 
 # --------------------------------------------------------------------------- checks on varying types

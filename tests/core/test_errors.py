@@ -220,6 +220,33 @@ def test_gradients_averaged_before_update_are_counted_as_floored_steps(path):
     assert float(m_right["gain"]) > 1.05
 
 
+def test_done_warns_after_a_run_of_updates_whose_replicas_agreed_exactly():
+    # The pmean-before-update signature is only in the state (floored_steps); done() reads it on the host.
+    n = 4
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="data")
+    wrong = jax.jit(
+        jax.vmap(
+            lambda g, s, p: tx.update(jax.lax.pmean(g, "data"), s, p),
+            in_axes=(0, None, None),
+            out_axes=(None, None),
+            axis_name="data",
+        )
+    )
+    right = replica_update(tx, axis_name="data", axis_size=n)
+    s_wrong = s_right = tx.init(PARAMS)
+    for seed in range(optax_adascale._state.FLOORED_RUN):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # not before FLOORED_RUN updates
+            assert not optax_adascale.done(s_wrong, 1000)
+        _, s_wrong = wrong(replica_grads(PARAMS, n, seed), s_wrong, PARAMS)
+        _, s_right = right(replica_grads(PARAMS, n, seed), s_right, PARAMS)
+    with pytest.warns(UserWarning, match=r"replicas agreed exactly.*gain stays at 1.*averaged before update"):
+        optax_adascale.done(s_wrong, 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not optax_adascale.done(s_right, 1000)
+
+
 # --------------------------------------------------------------------------- every step non-finite
 
 
