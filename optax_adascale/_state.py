@@ -172,8 +172,11 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     warns once it is half of 10 or more updates),
     ``noise_scale`` (``B_noise = σ̄²/μ̄²``, McCandlish et al. 2018: the critical
     batch size in base batches — well below it a larger batch buys an almost
-    proportional speed-up, well above it little; ``+inf`` for pure noise, 0
-    before the first update); with
+    proportional speed-up, well above it little), never ``±inf``:
+    ``noise_scale_measured`` says whether it is measured yet — False, and
+    ``noise_scale`` 0, before the first update and while ``μ̄² = 0`` (no mean
+    gradient above the noise so far, e.g. pure noise); NaN only for a state
+    whose statistics are non-finite; with
     ``param_labels``, ``group_gains`` (label → gain). Before the first update:
     gain 1, τ 0, the rest 0.
 
@@ -209,8 +212,8 @@ def metrics(opt_state: Any) -> dict[str, Any]:
         "skipped_nonfinite_steps": _value(s.skipped_steps) - _value(s.negative_lr_steps),
         "skipped_negative_lr_steps": _value(s.negative_lr_steps),
         "floored_steps": _value(s.floored_steps),
-        "noise_scale": _noise_scale(s),
     }
+    out["noise_scale"], out["noise_scale_measured"] = _noise_scale(s)
     if isinstance(s.group_gains, Mapping) and s.group_gains:
         out["group_gains"] = {k: _value(v) for k, v in s.group_gains.items()}
     if monitor is not None:
@@ -218,13 +221,11 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     return out
 
 
-def _noise_scale(s: AdaScaleState) -> jax.Array:
-    """``σ̄²/μ̄²`` in base batches; ``+inf`` where ``μ̄² = 0 < σ̄²``, 0 before the first update."""
+def _noise_scale(s: AdaScaleState) -> tuple[jax.Array, jax.Array]:
+    """``(σ̄²/μ̄², measured)`` in base batches: see ``_read.noise_scale``."""
     var: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
     sqr: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
-    var, sqr = jnp.asarray(var, jnp.float32), jnp.asarray(sqr, jnp.float32)
-    ratio = _read.noise_ratio(var, sqr)
-    return jnp.where(jnp.isfinite(var) & jnp.isfinite(sqr), ratio, jnp.nan)
+    return _read.noise_scale(var, sqr, _value(s.count) > 0)
 
 
 def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> bool:
