@@ -182,3 +182,32 @@ def test_per_replica_steps_with_axis_name_do_not_warn_inside_a_mesh(front_door):
         step = jax.jit(jax.shard_map(local, mesh=AUTO, in_specs=(P("data"), P(), P()), out_specs=(P(), P())))
     with jax.set_mesh(AUTO):
         _no_warning(lambda: step(grads, tx.init(init_params()), init_params()))
+
+
+# --------------------------------------------------------------------------- the flagship's CNN
+
+
+@pytest.mark.parametrize("mesh", [EXPLICIT, AUTO], ids=["Explicit", "Auto"])
+def test_the_flagships_convolutional_model_runs_through_the_drop_in_exactly(mesh):
+    # examples/train_mnist1d.py's Flax CNN: the convolutions' per-shard backward raised JAX's ShardingTypeError
+    # ("This reshape is not supported") on both meshes; jax.value_and_grad's numbers are the truth.
+    from benchmarks.leaves.leaves import flagship_cnn
+
+    model = flagship_cnn(4)
+    params = model.init(jax.random.key(0), np.zeros((1, 40), np.float32))["params"]
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 40)).astype(np.float32), rng.integers(0, 10, 64).astype(np.int32)
+
+    def loss(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+    with jax.set_mesh(mesh):
+        xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+        value, grads, stats = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))(params, xs, ys)
+    ref_value, ref_grads = jax.value_and_grad(loss)(params, x, y)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+    # The samples: each device's 8 rows' mean gradient.
+    shard = [jax.grad(loss)(params, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]) for i in range(8)]
+    expected = np.mean([float(optax.tree.norm(g, squared=True)) for g in shard])
+    assert sum(float(v) for v in jax.tree.leaves(stats.sq_norms)) == pytest.approx(expected, rel=1e-4)
