@@ -84,7 +84,6 @@ def _init(
     collection: _options.Options, reduction: Any, inner: optax.GradientTransformationExtraArgs, params: Any
 ) -> AdaScaleState:
     _checks.check_inexact(params, "params")
-    _checks.check_has_leaves(params, "params")
     groups = _groups.resolve_groups(collection.param_labels, params)
     _checks.probe_inner(inner, params)
     inner_state = reduction.init_inner(inner, params)
@@ -140,7 +139,8 @@ def _update(
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
     axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
     k = accumulation_steps(collection, state)
-    samples = _samples.Samples.of(grads, microbatch_stats, k, collection.precondition, state.inner_state)
+    keys = _collect.statistic_keys(groups, axes.model, grads)
+    samples = _samples.Samples.of(grads, microbatch_stats, k, collection.precondition, state.inner_state, keys)
     strategy = reduction.for_samples(samples)
     strategy.check(axes, state, params)
     local_sq = groups.sums(axes.model.mask(samples.sq_leaves))

@@ -18,7 +18,7 @@ from jax import lax
 
 from optax_adascale import _compat
 from optax_adascale.core import _checks, _groups
-from optax_adascale.core._norms import STAT_DTYPE, leaf_sq_norm, low_precision
+from optax_adascale.core._norms import STAT_DTYPE, fused_sq_norms, leaf_sq_norm, low_precision
 
 Array = jax.Array
 AxisName = str | tuple[str, ...]
@@ -100,7 +100,7 @@ def partitioned_axes(tree: Any) -> dict[str, int]:
     partitioner's and do not count. Empty on one device, under ``vmap``, and where nothing records
     the mesh (uncommitted arrays placed by ``jax.jit``'s ``in_shardings`` alone).
     """
-    meshes = [jax.sharding.get_abstract_mesh()]
+    meshes: list[Any] = [jax.sharding.get_abstract_mesh()]
     meshes += [getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None) for leaf in jax.tree.leaves(tree)]
     found: dict[str, int] = {}
     for mesh in meshes:
@@ -334,6 +334,17 @@ def model_axes(grads: Any, params: Any, axis_name: AxisName | None, param_specs:
     return ModelAxes(axes, tuple(split))
 
 
+def statistic_keys(groups: _groups.Groups, model: ModelAxes, leaves: Any) -> list[tuple[int, frozenset[str]]] | None:
+    """Per leaf, which squared norms its own is summed with: its group and the model axes it is split over
+    (``_norms.fused_sq_norms`` reduces the small leaves of one key together). ``None`` where the compiler
+    partitions the leaves over a mesh (a jit step over the global batch): there every leaf keeps its own
+    reduction, as a concatenation of differently sharded leaves would move them."""
+    if partitioned_axes(leaves):
+        return None
+    splits = model.leaf_axes or (frozenset(),) * len(groups.leaf_group)
+    return list(zip(groups.leaf_group, splits, strict=True))
+
+
 # --------------------------------------------------------------------------- one call's axes
 
 
@@ -409,6 +420,7 @@ def reduce_statistics(
     """
     weigh = (lambda x, i: x) if weights is None else (lambda x, i: x * weights[i])  # noqa: E731
     model = axes.model
+    keys = statistic_keys(groups, model, grads)
     if mean_sq is not None and axes.data:
         raise ValueError(
             f"microbatch_stats from value_and_grad(data_axes=...) are already reduced over the data shards, but the "
@@ -420,14 +432,18 @@ def reduce_statistics(
         if mean_sq is not None:
             b_leaves = [jnp.asarray(b, STAT_DTYPE) for b in mean_sq]
         else:
-            b_leaves = [leaf_sq_norm(weigh(g, i)) for i, g in enumerate(jax.tree.leaves(grads))]
+            leaves = [weigh(g, i) for i, g in enumerate(jax.tree.leaves(grads))]
+            b_leaves = [leaf_sq_norm(g) for g in leaves] if keys is None else fused_sq_norms(leaves, keys)
     else:
         n = axes.replicas
         sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if low_precision(x) else x, grads), local_sq), axes.data)
-        b_leaves = [
-            leaf_sq_norm(weigh(s, i)) if low_precision(s) else leaf_sq_norm(weigh(s, i)) / (n * n)
-            for i, s in enumerate(jax.tree.leaves(sums))
-        ]
+        low = [low_precision(s) for s in jax.tree.leaves(sums)]
+        leaves = [weigh(s, i) for i, s in enumerate(jax.tree.leaves(sums))]
+        if keys is None:
+            raw = [leaf_sq_norm(s) for s in leaves]
+        else:
+            raw = fused_sq_norms(leaves, list(zip(keys, low, strict=True)))
+        b_leaves = [r if lo else r / (n * n) for r, lo in zip(raw, low, strict=True)]
         mean = jax.tree.map(lambda s: s if low_precision(s) else s / n, sums)
         a = sq_sum / n
     b = groups.sums(model.mask(b_leaves))

@@ -364,22 +364,27 @@ def test_a_single_replica_axis_warns_that_adascale_is_the_identity():
 # --------------------------------------------------------------------------- odd trees
 
 
+def _first_update(tx, params):
+    return tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+
+
 EMPTY_TREES = {
-    "empty": lambda tx: tx.init({}),
-    "only None": lambda tx: tx.init({"w": None}),
-    "all frozen by multi_transform": lambda tx: optax.multi_transform(
-        {"train": tx, "frozen": optax.set_to_zero()}, {"w": "frozen", "b": "frozen"}
-    ).init(PARAMS),
+    "empty": lambda tx: _first_update(tx, {}),
+    "only None": lambda tx: _first_update(tx, {"w": None}),
+    "all frozen by multi_transform": lambda tx: _first_update(
+        optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, {"w": "frozen", "b": "frozen"}), PARAMS
+    ),
 }
 
 
-@pytest.mark.parametrize("init", EMPTY_TREES.values(), ids=EMPTY_TREES.keys())
-def test_a_param_tree_with_nothing_to_train_is_refused_at_init_naming_the_fix(init):
-    # It used to train on nothing: with no gradient σ̂² = eps and μ̂² = 0, so the vmap path reported gain S and
-    # advanced τ by S per update while no parameter moved.
-    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i")
-    with pytest.raises(ValueError, match=r"AdaScale got params with no array leaves.*leave AdaScale out"):
-        init(tx)
+@pytest.mark.parametrize("update", EMPTY_TREES.values(), ids=EMPTY_TREES.keys())
+def test_a_param_tree_with_nothing_to_train_is_refused_at_the_first_update_naming_the_fix(update):
+    # It used to train on nothing: with no gradient σ̂² = eps and μ̂² = 0, so the gain was S and τ advanced by S
+    # per update while no parameter moved. (init accepts it: optax.tree_map_params initialises with a tree of
+    # no leaves.)
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"AdaScale got grads with no array leaves.*leave AdaScale out"):
+        update(tx)
 
 
 def test_scalar_params_with_per_replica_accumulation():
