@@ -276,3 +276,27 @@ def test_fair_adam_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
     assert {r[1] for r in _table_rows(section, "4")} == labels | {f"AdamW {r}+" for r in ("id", "sqrt", "LSW")}
     _fixed_rule_rows_are_consistent(section, "AS-a", int(_table_rows(section, "1")[0][5]))
     assert any((tmp_path / "cache").glob("mnist1d_LAMBplus_*_S4_seed0.json"))  # cells cached where --cache says
+
+
+# --------------------------------------------------------------------------- many small leaves
+
+
+def test_leaves_smoke_times_every_case_and_writes_the_report(tmp_path):
+    out = tmp_path / "leaves.json"
+    run_study("leaves", "--smoke", "--out", out)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"update", "cnn", "dropin"}
+    assert results["update"]["leaves"] >= 60 and results["cnn"]["leaves"] >= 60
+    for case, variants in {"update": {"sgd", "floor", "adascale"}, "cnn": {"sgd", "adascale"}}.items():
+        assert set(results[case]["ratios"]) == variants
+    assert set(results["dropin"]["ratios"]) == {"sgd", "same_opt", "dropin"}
+    for row in results.values():
+        assert all(math.isfinite(r["median"]) and r["median"] > 0 for r in row["ratios"].values())
+    # The update's own reductions: a few for the small leaves, not two per leaf (SGD's pmean is one per leaf here).
+    reduces = results["update"]["reduces"]
+    assert reduces["adascale"] - reduces["sgd"] < 16 < results["update"]["leaves"]
+
+    readme = tmp_path / "README.md"
+    run_study("leaves", "--report", out, "--results", readme)
+    text = readme.read_text()
+    assert "<!-- leaves:start -->" in text and "| `leaves` | " in text
