@@ -50,6 +50,9 @@ def adascale_sgd(
     optax.trace(μ))``: SGD's keywords, the four AdaScale options most users set,
     and any other keyword of :func:`adascale` (``param_labels``,
     ``shard_optimizer_state``, ``delayed_gain``, ``param_specs``).
+    ``optax.inject_hyperparams(adascale_sgd)(learning_rate=..., ...)`` needs no
+    ``static_args`` (a learning-rate *schedule* does: ``static_args=("learning_rate",)``,
+    so that it runs on ``τ``; ``accumulation_steps > 1`` too).
 
     Args:
       learning_rate: float or schedule of the base-batch step, evaluated at ``⌊τ⌋``.

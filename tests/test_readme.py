@@ -57,3 +57,12 @@ def test_readme_gspmd_block_takes_each_data_shard_as_a_sample():
     m = optax_adascale.metrics(opt_state)
     assert float(m["scale"]) == mesh.size
     assert 1.0 < float(m["gain"]) <= mesh.size
+
+
+def test_readme_says_how_long_its_pytest_takes_as_contributing_measured_it():
+    text = " ".join(README.read_text().split())
+    contributing = " ".join((README.parent / "CONTRIBUTING.md").read_text().split())
+    said = re.search(r"slow tests included .*?about (\d+) minutes on (\d+) idle CPU cores", text)
+    measured = re.search(r"The whole suite takes about (\d+) minutes on (\d+) CPU cores", contributing)
+    assert said and measured
+    assert said.groups() == measured.groups()

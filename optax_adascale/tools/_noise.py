@@ -99,7 +99,8 @@ def noise_scale_monitor(
 
     One sample per update (``n = 1``: one device, no micro-batches) has no
     spread to measure: the monitor warns once at trace time, leaves its
-    averages untouched and the metrics read NaN. Split the batch:
+    averages untouched and the noise scales read 0, not measured
+    (``noise_scale_measured`` False). Split the batch:
     ``value_and_grad(loss_fn, num_microbatches=2)``. Updates with non-finite
     statistics (e.g. a loss-scaling overflow) are left out of the averages.
 
@@ -211,7 +212,7 @@ def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tup
     if n == 1:
         warnings.warn(
             "noise_scale_monitor sees n = 1 gradient sample per update: one sample has no spread, so the noise "
-            "scale cannot be estimated and reads NaN. Split the batch into micro-batches "
+            "scale cannot be estimated (it reads 0, noise_scale_measured False). Split the batch into micro-batches "
             "(optax_adascale.value_and_grad(loss_fn, num_microbatches=2)) or use several data shards.",
             stacklevel=4,
         )
