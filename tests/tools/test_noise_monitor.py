@@ -240,7 +240,7 @@ def test_jit_compiles_once_and_keeps_state_types():
 # --------------------------------------------------------------------------- one sample, bad input, readers
 
 
-def test_one_sample_warns_passes_through_and_reads_nan():
+def test_one_sample_warns_passes_through_and_reads_not_measured():
     tx = optax.chain(optax_adascale.noise_scale_monitor(batch_size=8), optax.sgd(1.0))
     params = jnp.zeros(2)
     stats = optax_adascale.MicrobatchStats(jnp.float32(2.0), 1)
