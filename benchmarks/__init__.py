@@ -6,6 +6,7 @@
     python -m benchmarks.gpu                # the accelerator suite, FairScale side by side
     python -m benchmarks.delayed_fidelity   # the delayed gain on FairScale's golden scenarios
     python -m benchmarks.adam               # AdaScale with AdamW
+    python -m benchmarks.leaves             # many small leaves; the flagship CNN's drop-in step
 
 Each study writes its results into its own README.md; ``RESULTS.md`` is the index. The studies
 share ``benchmarks.harness`` (cell cache, statistics, timing summaries, report sections, plots)

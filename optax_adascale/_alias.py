@@ -22,7 +22,9 @@ def _decayed_weights(weight_decay: Any) -> optax.GradientTransformation:
         if zero:
             return updates, state
         if params is None:
-            raise ValueError("weight_decay > 0 needs params: call update(grads, opt_state, params)")
+            traced = _checks.concrete_float(weight_decay) is None  # optax.inject_hyperparams: unknown until run
+            shown = "weight_decay (a hyperparameter of optax.inject_hyperparams)" if traced else "weight_decay > 0"
+            raise ValueError(f"{shown} needs params: call update(grads, opt_state, params)")
         return jax.tree.map(lambda g, p: g + weight_decay * p, updates, params), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
@@ -49,6 +51,9 @@ def adascale_sgd(
     optax.trace(μ))``: SGD's keywords, the four AdaScale options most users set,
     and any other keyword of :func:`adascale` (``param_labels``,
     ``shard_optimizer_state``, ``delayed_gain``, ``param_specs``).
+    ``optax.inject_hyperparams(adascale_sgd)(learning_rate=..., ...)`` needs no
+    ``static_args`` (a learning-rate *schedule* does: ``static_args=("learning_rate",)``,
+    so that it runs on ``τ``; ``accumulation_steps > 1`` too).
 
     Args:
       learning_rate: float or schedule of the base-batch step, evaluated at ``⌊τ⌋``.

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_adascale.core import _read
+from optax_adascale.core import _checks, _read
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.core._ramp import RampState
 from optax_adascale.tools import _noise
@@ -112,13 +112,8 @@ def _refuse_wrappers_around(opt_state: Any) -> None:
         if not wrapper(node) or not holds_adascale(inside):
             continue
         if isinstance(node, optax.MultiStepsState):
-            raise ValueError(
-                "optax.MultiSteps around AdaScale: MultiSteps averages k calls' gradients and passes AdaScale the "
-                "last call's statistics only, so its samples, scale and gain are one call's, not the k calls'. "
-                "Accumulate inside AdaScale instead: adascale_sgd(..., accumulation_steps=k) for per-replica "
-                "steps, or optax_adascale.value_and_grad(loss_fn, data_axes=..., num_microbatches=k) in a jit "
-                "step over the global batch."
-            )
+            raise ValueError(_checks.MULTISTEPS_AROUND)
+        _check_structural_hyperparams(node.hyperparams, inside)
         scheduled = sorted(k for k in node.hyperparams_states if "learning_rate" in k or k in ("lr", "step_size"))
         if scheduled:
             raise ValueError(
@@ -126,9 +121,29 @@ def _refuse_wrappers_around(opt_state: Any) -> None:
                 "evaluates it on its own iteration count and hands AdaScale a number, but AdaScale runs the "
                 "schedule on the scale-invariant step τ, which advances gain times faster. Hand the schedule to "
                 "AdaScale itself: optax.inject_hyperparams(factory, static_args=('learning_rate',))"
-                "(learning_rate=schedule, ...), or call the factory without inject_hyperparams; the learning rate "
-                "AdaScale applied is metrics(opt_state)['learning_rate']."
+                "(learning_rate=schedule, ...) (the other hyperparameters stay injected), or call the factory "
+                "without inject_hyperparams; the learning rate AdaScale applied is "
+                "metrics(opt_state)['learning_rate']."
             )
+
+
+def _check_structural_hyperparams(hyperparams: Mapping[str, Any], inside: Any) -> None:
+    """``accumulation_steps`` under ``optax.inject_hyperparams`` is an entry of ``opt_state.hyperparams`` but shapes
+    the state: with no accumulation buffers it is 1, and setting it to anything else would change nothing."""
+    value = hyperparams.get("accumulation_steps")
+    if value is None or isinstance(value, jax.core.Tracer):
+        return
+    found: list[AdaScaleState] = []
+    _search(inside, found)
+    k = np.asarray(jax.device_get(value))
+    if len(found) == 1 and found[0].acc_grads is None and k.size == 1 and int(k) != 1:
+        raise ValueError(
+            f"opt_state.hyperparams['accumulation_steps'] is {int(k)}, but this AdaScale state was built for "
+            "accumulation_steps=1 (it has no accumulation buffers), so the value changes nothing: accumulation_steps "
+            "shapes the state and is fixed when the optimizer is built. Build the optimizer with "
+            "accumulation_steps=k (optax.inject_hyperparams(factory, static_args=('accumulation_steps',))) and move "
+            "the state over with optax_adascale.transfer_state(opt_state, new_tx.init(params))."
+        )
 
 
 def scale_invariant_steps(opt_state: Any) -> jax.Array:
@@ -156,11 +171,15 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     learning rates, ``skipped_negative_lr_steps`` for a negative learning rate),
     ``floored_steps`` (applied updates whose variance estimate was zero up to
     rounding: if it grows with ``count``, the replicas see identical
-    gradients — typically gradients averaged *before* ``update``),
+    gradients — typically gradients averaged *before* ``update``; :func:`done`
+    warns once it is half of 10 or more updates),
     ``noise_scale`` (``B_noise = σ̄²/μ̄²``, McCandlish et al. 2018: the critical
     batch size in base batches — well below it a larger batch buys an almost
-    proportional speed-up, well above it little; ``+inf`` for pure noise, 0
-    before the first update); with
+    proportional speed-up, well above it little), never ``±inf``:
+    ``noise_scale_measured`` says whether it is measured yet — False, and
+    ``noise_scale`` 0, before the first update and while ``μ̄² = 0`` (no mean
+    gradient above the noise so far, e.g. pure noise); NaN only for a state
+    whose statistics are non-finite; with
     ``param_labels``, ``group_gains`` (label → gain); with a
     :class:`BatchRamp`, ``microbatches`` (``k``, micro-batches per replica in
     the update in progress: the next update's), ``next_scale`` (its ``S``; 0
@@ -199,8 +218,8 @@ def metrics(opt_state: Any) -> dict[str, Any]:
         "skipped_nonfinite_steps": _value(s.skipped_steps) - _value(s.negative_lr_steps),
         "skipped_negative_lr_steps": _value(s.negative_lr_steps),
         "floored_steps": _value(s.floored_steps),
-        "noise_scale": _noise_scale(s),
     }
+    out["noise_scale"], out["noise_scale_measured"] = _noise_scale(s)
     if isinstance(s.group_gains, Mapping) and s.group_gains:
         out["group_gains"] = {k: _value(v) for k, v in s.group_gains.items()}
     if s.ramp is not None:
@@ -213,13 +232,11 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     return out
 
 
-def _noise_scale(s: AdaScaleState) -> jax.Array:
-    """``σ̄²/μ̄²`` in base batches; ``+inf`` where ``μ̄² = 0 < σ̄²``, 0 before the first update."""
+def _noise_scale(s: AdaScaleState) -> tuple[jax.Array, jax.Array]:
+    """``(σ̄²/μ̄², measured)`` in base batches: see ``_read.noise_scale``."""
     var: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
     sqr: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
-    var, sqr = jnp.asarray(var, jnp.float32), jnp.asarray(sqr, jnp.float32)
-    ratio = _read.noise_ratio(var, sqr)
-    return jnp.where(jnp.isfinite(var) & jnp.isfinite(sqr), ratio, jnp.nan)
+    return _read.noise_scale(var, sqr, _value(s.count) > 0)
 
 
 def batch_plan(opt_state: Any) -> dict[str, jax.Array]:
@@ -270,8 +287,11 @@ def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> b
     A run whose updates are all skipped (a schedule or model that makes every
     step non-finite) never advances ``τ``, so a bare ``while τ < T`` loop would
     never end; this raises instead once ``max_skip_streak`` consecutive updates
-    were skipped. Reads two scalars from the device (a host sync, like any
-    loop condition on ``τ``).
+    were skipped. Reads a few scalars from the device (a host sync, like any
+    loop condition on ``τ``). Warns (``UserWarning``) once 10 or more updates
+    were applied and at least half of them had replicas that agreed exactly
+    (``metrics()["floored_steps"]``): gradients averaged before ``update``, or one
+    batch read by every replica, leave the gain at 1.
 
     Args:
       opt_state: any state containing an AdaScale state.
@@ -299,5 +319,26 @@ def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> b
             "so τ cannot advance. Check the loss for NaN/inf, lower the learning rate, or check that the "
             "schedule returns finite, non-negative values."
         )
+    _warn_if_mostly_floored(s)
     tau = np.asarray(jax.device_get(scale_invariant_steps(s)))
     return bool(np.min(tau) >= total_steps)
+
+
+# done() warns once FLOORED_RUN or more updates were applied and at least half of them had a zero variance estimate.
+FLOORED_RUN = 10
+
+
+def _warn_if_mostly_floored(s: AdaScaleState) -> None:
+    """The signature of gradients averaged before ``update`` (or of every replica reading the same batch): the
+    replicas' samples agree exactly, so the variance estimate sits at its floor and the gain at 1. Nothing inside
+    jit can warn; ``done`` reads the state on the host anyway."""
+    count = int(np.max(np.asarray(jax.device_get(_value(s.count)))))
+    floored = int(np.max(np.asarray(jax.device_get(_value(s.floored_steps)))))
+    if count >= FLOORED_RUN and 2 * floored >= count:
+        _checks.warn(
+            "AdaScale's replicas agreed exactly (a zero variance estimate) in at least half of the updates so far "
+            "(metrics(opt_state)['floored_steps'] against the update count), so the gain stays at 1: AdaScale sees "
+            "one gradient, not one per replica. Usual causes: the gradients were averaged before update (a "
+            "jax.lax.pmean/psum over the data axis, e.g. Flax's imagenet example): pass each replica's own gradient, "
+            "AdaScale reduces it itself; or every replica read the same batch: shard the batch over the data axis."
+        )

@@ -117,6 +117,7 @@ DOCUMENTED_METRICS = {
     "base_learning_rate",
     "floored_steps",
     "noise_scale",
+    "noise_scale_measured",
     "skipped_nonfinite_steps",
     "skipped_negative_lr_steps",
 }

@@ -314,3 +314,27 @@ def test_the_ramp_study_names_the_package_default():
 
     assert results.DEFAULT == f"measured-{optax_adascale.BatchRamp(1, 2).efficiency:g}"
     assert results.DEFAULT in results.MEASURED
+
+
+# --------------------------------------------------------------------------- many small leaves
+
+
+def test_leaves_smoke_times_every_case_and_writes_the_report(tmp_path):
+    out = tmp_path / "leaves.json"
+    run_study("leaves", "--smoke", "--out", out)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"update", "cnn", "dropin"}
+    assert results["update"]["leaves"] >= 60 and results["cnn"]["leaves"] >= 60
+    for case, variants in {"update": {"sgd", "floor", "adascale"}, "cnn": {"sgd", "adascale"}}.items():
+        assert set(results[case]["ratios"]) == variants
+    assert set(results["dropin"]["ratios"]) == {"sgd", "same_opt", "dropin"}
+    for row in results.values():
+        assert all(math.isfinite(r["median"]) and r["median"] > 0 for r in row["ratios"].values())
+    # The update's own reductions: a few for the small leaves, not two per leaf (SGD's pmean is one per leaf here).
+    reduces = results["update"]["reduces"]
+    assert reduces["adascale"] - reduces["sgd"] < 16 < results["update"]["leaves"]
+
+    readme = tmp_path / "README.md"
+    run_study("leaves", "--report", out, "--results", readme)
+    text = readme.read_text()
+    assert "<!-- leaves:start -->" in text and "| `leaves` | " in text

@@ -57,3 +57,24 @@ def test_readme_gspmd_block_takes_each_data_shard_as_a_sample():
     m = optax_adascale.metrics(opt_state)
     assert float(m["scale"]) == mesh.size
     assert 1.0 < float(m["gain"]) <= mesh.size
+
+
+def test_readme_says_how_long_its_pytest_takes_as_contributing_measured_it():
+    text = " ".join(README.read_text().split())
+    contributing = " ".join((README.parent / "CONTRIBUTING.md").read_text().split())
+    said = re.search(r"slow tests included .*?about (\d+) minutes on (\d+) idle CPU cores", text)
+    measured = re.search(r"The whole suite takes about (\d+) minutes on (\d+) CPU cores", contributing)
+    assert said and measured
+    assert said.groups() == measured.groups()
+
+
+def test_readme_states_the_flagships_spread_and_its_table_lies_inside_it():
+    text = README.read_text()
+    table = dict(re.findall(r"^\s*(8|32)\s+\d+\s+(\d+)\s", text, re.M))
+    flat = " ".join(text.split())
+    spread = re.search(r"S = 8 in (\d+)–(\d+) iterations and S = 32 in (\d+)–(\d+)", flat)
+    assert table.keys() == {"8", "32"} and spread
+    lo8, hi8, lo32, hi32 = map(int, spread.groups())
+    assert lo8 <= int(table["8"]) <= hi8 and lo32 <= int(table["32"]) <= hi32
+    getting_started = " ".join((README.parent / "docs" / "getting_started.md").read_text().split())
+    assert spread.group(0) in getting_started  # the same words on the docs' first page

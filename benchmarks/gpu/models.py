@@ -99,22 +99,25 @@ def cnn_init(jax, jnp, cfg: dict, seed: int = 0) -> dict:
     return params
 
 
-def make_cnn_loss(jax, jnp) -> Callable:
-    """ResNet-18-like (BasicBlocks), NHWC, bf16 convolutions, batch-statistics normalisation in f32."""
+def make_cnn_loss(jax, jnp, compute_dtype=None) -> Callable:
+    """ResNet-18-like (BasicBlocks), NHWC, bf16 convolutions (or ``compute_dtype``'s), batch-statistics
+    normalisation in f32."""
     import optax
+
+    dtype = jnp.bfloat16 if compute_dtype is None else compute_dtype
 
     def conv_bn(x, p, stride, relu=True):
         y = jax.lax.conv_general_dilated(
-            x, p["w"].astype(jnp.bfloat16), (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            x, p["w"].astype(dtype), (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
         )
         y32 = y.astype(jnp.float32)
         mu = jnp.mean(y32, (0, 1, 2))
         var = jnp.mean(jnp.square(y32 - mu), (0, 1, 2))
         y32 = (y32 - mu) * jax.lax.rsqrt(var + 1e-5) * p["g"] + p["b"]
-        return (jax.nn.relu(y32) if relu else y32).astype(jnp.bfloat16)
+        return (jax.nn.relu(y32) if relu else y32).astype(dtype)
 
     def loss_fn(params, x, y):
-        h = conv_bn(x.astype(jnp.bfloat16), params["stem"], 1)
+        h = conv_bn(x.astype(dtype), params["stem"], 1)
         for stage in params["stages"]:
             for blk in stage:
                 stride = 2 if "sc" in blk else 1

@@ -95,7 +95,7 @@ def _init(
     scalar = lambda dtype=jnp.float32: jnp.zeros([], dtype)  # noqa: E731 - a fresh buffer per field (donation)
     per_group = lambda value: groups.pack(jnp.full((groups.size,), value, jnp.float32))  # noqa: E731
     acc_grads = acc_sq = None
-    if collection.accumulates:
+    if collection.ramp is not None or accumulation_steps(collection, None) > 1:
         acc_grads = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_norms.compute_dtype(p.dtype)), params)
         acc_sq = jnp.zeros((groups.size,), jnp.float32)
     return AdaScaleState(
@@ -137,21 +137,26 @@ def _update(
     extra_args: dict[str, Any],
 ):
     """Local statistics, then one AdaScale step (or an accumulation-only call)."""
+    _checks.check_not_inside_multisteps()
     _checks.check_opt_state(state, AdaScaleState._fields)
     _checks.check_grads(grads, params)
+    _checks.check_has_leaves(grads, "grads")
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
     axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
     ramp = collection.ramp
-    per_update = collection.accumulation_steps if ramp is None else ramp
-    samples = _samples.Samples.of(grads, microbatch_stats, per_update, collection.precondition, state.inner_state)
+    k = accumulation_steps(collection, state) if ramp is None else None
+    keys = _collect.statistic_keys(groups, axes.model, grads)
+    per_update = k if ramp is None else ramp
+    samples = _samples.Samples.of(grads, microbatch_stats, per_update, collection.precondition, state.inner_state, keys)
     strategy = reduction.for_samples(samples)
     strategy.check(axes, state, params)
     local_sq = groups.sums(axes.model.mask(samples.sq_leaves))
 
     if ramp is None:
-        k = collection.accumulation_steps
         n = axes.replicas * k * samples.count
         S = _scale(collection, n, axes.replicas)
+        if n == 1 and collection.axis_name is None and microbatch_stats is None:
+            _collect.warn_if_partitioned(grads)
     else:  # k_t is traced: one program for every rung; S_t = n_t
         _check_ramp_state(state)
         per_microbatch = axes.replicas * samples.count
@@ -166,7 +171,7 @@ def _update(
             new_state = _decide(ramp, state, new_state, per_microbatch)
         return new_updates, new_state
 
-    if not collection.accumulates:
+    if ramp is None and k == 1:
         return step(grads, local_sq, state)
     _collect.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
     new_updates, new_state = _accumulate.accumulate(k, grads, local_sq, state, step)
@@ -203,6 +208,21 @@ def _decide(ramp: _ramp.BatchRamp, old: AdaScaleState, new: AdaScaleState, per_m
         microbatches_seen=optax.safe_increment(old.ramp.microbatches_seen),
     )
     return new._replace(ramp=_ramp.after_update(ramp, old.ramp, inputs, new.count != old.count))
+
+
+def accumulation_steps(collection: _options.Options, state: AdaScaleState | None) -> int:
+    """``k``, a Python int. ``optax.inject_hyperparams`` hands the factory an int as an array of its state,
+    traced in a jitted ``update``; the state it was built for then says ``k = 1`` (no buffers)."""
+    k = collection.accumulation_steps
+    if isinstance(k, int):
+        return k
+    if state is not None and state.acc_grads is None:
+        return 1
+    raise TypeError(
+        "accumulation_steps > 1 reaches AdaScale as a traced array: optax.inject_hyperparams made it a "
+        "hyperparameter of its state, but k shapes the program and cannot change inside jax.jit. Keep it "
+        "static: optax.inject_hyperparams(factory, static_args=('accumulation_steps',))(..., accumulation_steps=k)."
+    )
 
 
 def _scale(collection: _options.Options, n: int, replicas: int) -> Any:

@@ -84,7 +84,7 @@ def check_number(
         raise TypeError(f"{name} must be a number, got {name}={value!r}")
     x = concrete_float(value)
     if x is None:
-        raise TypeError(f"{name} must be a real number, got {name}={value!r}")
+        raise TypeError(f"{name} must be a real number, got {name}={_describe(value)}")
     kind = "an integer" if integer else "finite"
     left = "(" if low_open or low is None else "["  # an infinite end is never included: values are finite
     right = ")" if high_open or high is None else "]"
@@ -99,14 +99,33 @@ def check_number(
 def check_static_int(name: str, value: Any, *, low: int = 1, hint: str = "") -> None:
     """Raise unless ``value`` is a Python int ``>= low`` (not an array: it shapes the program)."""
     if _is_traced(value) or hasattr(value, "dtype"):
-        raise TypeError(
-            f"{name} must be a static Python int, got an array ({value!r}). With "
-            f"optax.inject_hyperparams pass static_args=('{name}', ...).{hint}"
-        )
+        raise TypeError(f"{name} must be a static Python int, got an array ({_describe(value)}).{hint}")
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int >= {low}, got {name}={value!r}")
+        raise TypeError(f"{name} must be an int >= {low}, got {name}={_describe(value)}")
     if value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+
+
+def static_int(name: str, value: Any, *, low: int = 1, hint: str = "") -> Any:
+    """``value`` as a Python int ``>= low``, also from a concrete integer array; a traced value as it is.
+
+    ``optax.inject_hyperparams`` turns every int argument of a factory into an array of its state and
+    calls the factory again inside ``update`` with that array, traced under ``jax.jit``: the caller
+    resolves a traced value from the state it was built for (see ``_adascale.accumulation_steps``).
+    """
+    if _is_traced(value):
+        return value
+    if hasattr(value, "dtype") and np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer):
+        value = int(value)
+    check_static_int(name, value, low=low, hint=hint)
+    return value
+
+
+def _describe(value: Any) -> str:
+    """``repr(value)``, or for an array of more than one element its shape and dtype (never all its values)."""
+    if np.ndim(value) > 0 and np.size(value) > 1:
+        return f"an array of shape {tuple(np.shape(value))} and dtype {jnp.result_type(value)}"
+    return repr(value)
 
 
 def check_learning_rate(learning_rate: Any) -> None:
@@ -117,6 +136,12 @@ def check_learning_rate(learning_rate: Any) -> None:
     """
     if callable(learning_rate):
         return
+    if not _is_traced(learning_rate) and np.ndim(learning_rate) > 0 and np.size(learning_rate) > 1:
+        raise TypeError(
+            f"learning_rate must be a number or a schedule (a function of the step), got {_describe(learning_rate)}."
+            " To follow a table of values, pass a function of the step: table = jnp.asarray(values); "
+            "learning_rate=lambda t: table[jnp.minimum(t, len(table) - 1)]"
+        )
     if concrete_float(learning_rate) is None and not _is_traced(learning_rate) and not hasattr(learning_rate, "dtype"):
         raise TypeError(f"learning_rate must be a number or a schedule, got learning_rate={learning_rate!r}")
     check_number("learning_rate", learning_rate, low=0.0)
@@ -169,6 +194,19 @@ def check_inexact(tree: Any, name: str) -> None:
                 "scaled; keep them out of the optimized tree (e.g. optax.multi_transform "
                 "with optax.set_to_zero)."
             )
+
+
+def check_has_leaves(tree: Any, name: str, where: str = "AdaScale") -> None:
+    """Raise if ``tree`` has no array leaves (``{}``, ``None`` leaves only, or every leaf masked off by optax)."""
+    if jax.tree.leaves(tree):
+        return
+    shown = repr(tree) if len(repr(tree)) <= 120 else repr(tree)[:117] + "..."
+    raise ValueError(
+        f"{where} got {name} with no array leaves ({name}={shown}): nothing to train. With no gradient the "
+        "estimator would read pure noise: gain S and τ += S per update while no parameter moves. If every "
+        "parameter is frozen, leave AdaScale out of the optimizer (or give this optax.multi_transform / "
+        "optax.masked label at least one trainable parameter)."
+    )
 
 
 def check_grads(grads: Any, params: Any) -> None:
@@ -255,6 +293,29 @@ def check_inner_state(inner_state: Any) -> None:
             "advance on calls that do not move the parameters. Use adascale(..., accumulation_steps=k) "
             "instead; it also feeds every micro-batch into the variance estimate."
         )
+
+
+MULTISTEPS_AROUND = (
+    "optax.MultiSteps around AdaScale: MultiSteps averages k calls' gradients and passes AdaScale the last call's "
+    "statistics only, so its samples, scale and gain are one call's, not the k calls'. Accumulate inside AdaScale "
+    "instead: adascale_sgd(..., accumulation_steps=k) for per-replica steps, or "
+    "optax_adascale.value_and_grad(loss_fn, data_axes=..., num_microbatches=k) in a jit step over the global batch."
+)
+
+
+def check_not_inside_multisteps() -> None:
+    """Raise if ``update`` runs inside ``optax.MultiSteps.update`` (AdaScale wrapped by MultiSteps).
+
+    Seen from the Python stack while ``update`` is traced (MultiSteps calls it inside its own ``update``;
+    its state would otherwise be refused only when read, and under ``jax.vmap`` JAX fails first on
+    MultiSteps' per-replica accumulator). Where optax has no ``MultiSteps.update`` this checks nothing.
+    """
+    code = getattr(getattr(optax.MultiSteps, "update", None), "__code__", None)
+    frame: Any = sys._getframe(1)
+    while code is not None and frame is not None:
+        if frame.f_code is code:
+            raise ValueError(MULTISTEPS_AROUND)
+        frame = frame.f_back
 
 
 def probe_inner(inner: optax.GradientTransformationExtraArgs, params: Any) -> None:

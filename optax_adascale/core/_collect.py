@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_adascale import _compat
-from optax_adascale.core import _groups
-from optax_adascale.core._norms import STAT_DTYPE, leaf_sq_norm, low_precision
+from optax_adascale.core import _checks, _groups
+from optax_adascale.core._norms import STAT_DTYPE, fused_sq_norms, leaf_sq_norm, low_precision
 
 Array = jax.Array
 AxisName = str | tuple[str, ...]
@@ -90,6 +90,48 @@ def manual_axes() -> tuple[str, ...]:
         return tuple(getattr(mesh, "manual_axes", ()))
     except Exception:  # noqa: BLE001 - no mesh context API: nothing to report
         return ()
+
+
+def partitioned_axes(tree: Any) -> dict[str, int]:
+    """The mesh axes (name → size, sizes > 1) a jit step over ``tree`` is partitioned over by the compiler.
+
+    Read from the arrays' types (their sharding's mesh: Explicit meshes, and arrays placed on any mesh)
+    and from the context mesh (``jax.set_mesh``); manual axes (shard_map's, pmap's) are not the
+    partitioner's and do not count. Empty on one device, under ``vmap``, and where nothing records
+    the mesh (uncommitted arrays placed by ``jax.jit``'s ``in_shardings`` alone).
+    """
+    meshes: list[Any] = [jax.sharding.get_abstract_mesh()]
+    meshes += [getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None) for leaf in jax.tree.leaves(tree)]
+    found: dict[str, int] = {}
+    for mesh in meshes:
+        if mesh is None or getattr(mesh, "empty", True):
+            continue
+        kinds = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()), strict=False))
+        for name, size in dict(mesh.shape).items():
+            if size > 1 and kinds.get(name) != jax.sharding.AxisType.Manual:
+                found[name] = int(size)
+    return found
+
+
+def warn_if_partitioned(grads: Any) -> None:
+    """Warn where ``update`` sees ``n = 1`` sample (no ``axis_name``, no ``microbatch_stats``) in a step over several
+    devices: a jit step over the global batch that forgot ``microbatch_stats=stats`` trains at gain 1."""
+    axes = partitioned_axes(grads)
+    if not axes:
+        return
+    devices = 1
+    for size in axes.values():
+        devices *= size
+    data = next(iter(axes))
+    _checks.warn(
+        f"update got no microbatch_stats and the optimizer has no axis_name, but this step is partitioned over "
+        f"{devices} devices (mesh axes {axes}): AdaScale sees n = 1 gradient sample per update and is the identity "
+        "(gain 1, S = 1: plain SGD on lr(t)). In a jax.jit step over the global batch take the statistics from the "
+        f"drop-in and pass them: loss, grads, stats = optax_adascale.value_and_grad(loss_fn, data_axes={data!r})"
+        "(params, *batch); tx.update(grads, opt_state, params, microbatch_stats=stats). If no mesh axis is data "
+        "parallel (tensor parallelism alone), take samples as micro-batches: value_and_grad(loss_fn, "
+        "num_microbatches=k)."
+    )
 
 
 # --------------------------------------------------------------------------- checks on varying types
@@ -292,6 +334,17 @@ def model_axes(grads: Any, params: Any, axis_name: AxisName | None, param_specs:
     return ModelAxes(axes, tuple(split))
 
 
+def statistic_keys(groups: _groups.Groups, model: ModelAxes, leaves: Any) -> list[tuple[int, frozenset[str]]] | None:
+    """Per leaf, which squared norms its own is summed with: its group and the model axes it is split over
+    (``_norms.fused_sq_norms`` reduces the small leaves of one key together). ``None`` where the compiler
+    partitions the leaves over a mesh (a jit step over the global batch): there every leaf keeps its own
+    reduction, as a concatenation of differently sharded leaves would move them."""
+    if partitioned_axes(leaves):
+        return None
+    splits = model.leaf_axes or (frozenset(),) * len(groups.leaf_group)
+    return list(zip(groups.leaf_group, splits, strict=True))
+
+
 # --------------------------------------------------------------------------- one call's axes
 
 
@@ -367,6 +420,7 @@ def reduce_statistics(
     """
     weigh = (lambda x, i: x) if weights is None else (lambda x, i: x * weights[i])  # noqa: E731
     model = axes.model
+    keys = statistic_keys(groups, model, grads)
     if mean_sq is not None and axes.data:
         raise ValueError(
             f"microbatch_stats from value_and_grad(data_axes=...) are already reduced over the data shards, but the "
@@ -378,14 +432,18 @@ def reduce_statistics(
         if mean_sq is not None:
             b_leaves = [jnp.asarray(b, STAT_DTYPE) for b in mean_sq]
         else:
-            b_leaves = [leaf_sq_norm(weigh(g, i)) for i, g in enumerate(jax.tree.leaves(grads))]
+            leaves = [weigh(g, i) for i, g in enumerate(jax.tree.leaves(grads))]
+            b_leaves = [leaf_sq_norm(g) for g in leaves] if keys is None else fused_sq_norms(leaves, keys)
     else:
         n = axes.replicas
         sums, sq_sum = lax.psum((jax.tree.map(lambda x: x / n if low_precision(x) else x, grads), local_sq), axes.data)
-        b_leaves = [
-            leaf_sq_norm(weigh(s, i)) if low_precision(s) else leaf_sq_norm(weigh(s, i)) / (n * n)
-            for i, s in enumerate(jax.tree.leaves(sums))
-        ]
+        low = [low_precision(s) for s in jax.tree.leaves(sums)]
+        leaves = [weigh(s, i) for i, s in enumerate(jax.tree.leaves(sums))]
+        if keys is None:
+            raw = [leaf_sq_norm(s) for s in leaves]
+        else:
+            raw = fused_sq_norms(leaves, list(zip(keys, low, strict=True)))
+        b_leaves = [r if lo else r / (n * n) for r, lo in zip(raw, low, strict=True)]
         mean = jax.tree.map(lambda s: s if low_precision(s) else s / n, sums)
         a = sq_sum / n
     b = groups.sums(model.mask(b_leaves))

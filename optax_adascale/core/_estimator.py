@@ -45,8 +45,8 @@ class Estimator:
       so it needs no run length, and of at least ``m = min_updates = 4``
       updates: ``θ_t = exp(−r_{t−1}/max(c·τ_t, m·r_{t−1}))``. ``μ̂²`` is
       averaged unfloored (``unbiased_sqr``). Measured in ``benchmarks/estimator``:
-      within 10 % of the true gain in 23 of 25 task × scale cells (mean error
-      6 %), FairScale's in 1 (35 %). ``Estimator(memory_fraction=c)`` names a
+      within 10 % of the true gain in 25 of 27 task × scale cells (mean error
+      6 %), FairScale's in 1 of 27 (34 %). ``Estimator(memory_fraction=c)`` names a
       memory of its own, without the floor unless ``min_updates`` is given.
     * ``Estimator(horizon=H)``: a memory of ``H`` base-batch steps,
       ``θ_t = exp(−r_{t−1}/H)`` (``H = T/100`` for a run of ``T`` base steps

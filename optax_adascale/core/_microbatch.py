@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale.core import _checks
-from optax_adascale.core._norms import STAT_DTYPE, compute_dtype, leaf_sq_norm
+from optax_adascale.core import _checks, _collect
+from optax_adascale.core._norms import STAT_DTYPE, compute_dtype, leaf_sq_norm, leaf_sq_norms
 from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.core._varying import match_varying
 
@@ -105,6 +105,8 @@ def per_replica(
     def fn(params, *batch):
         state, batch = (batch[0], batch[1:]) if threaded else (None, batch)
         micro = jax.tree.map(split, batch)
+        # Per replica (shard_map, pmap, vmap, one device) the leaves are local: their norms in few reductions.
+        norms = leaf_sq_norms if not _collect.partitioned_axes(params) else lambda gs: [leaf_sq_norm(g) for g in gs]
 
         def body(carry, mb):
             grad_sum, sq_sum, state = carry
@@ -116,7 +118,9 @@ def per_replica(
                     lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype), new_state, state
                 )
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
-            sq_sum = jax.tree.map(lambda s, g: s + leaf_sq_norm(g), sq_sum, grads)
+            leaves, treedef = jax.tree.flatten(grads)
+            sq = treedef.unflatten(norms(leaves))
+            sq_sum = jax.tree.map(lambda s, q: s + q, sq_sum, sq)
             return (grad_sum, sq_sum, state), value
 
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params)

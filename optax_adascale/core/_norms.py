@@ -5,10 +5,13 @@ float16/bfloat16 values cannot overflow; 16-bit floats are divided by ``n`` befo
 No named axes here (those are :mod:`._collect`'s).
 """
 
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from optax_adascale import _compat
 
 Array = jax.Array
 STAT_DTYPE = jnp.float32
@@ -30,6 +33,72 @@ def leaf_sq_norm(x: Array) -> Array:
     else:
         sq = x * x
     return jnp.sum(sq).astype(STAT_DTYPE)
+
+
+# A leaf of at most this many elements shares one reduction with the other small leaves of its key.
+SMALL_LEAF = 1 << 16
+
+
+def fused_sq_norms(leaves: Sequence[Array], keys: Sequence[Hashable]) -> list[Array]:
+    """Per-leaf float32 values whose sum over the leaves of one key is their ``Σ‖x‖²``, in few reductions.
+
+    A model with many small leaves (biases, normalisation scales, small kernels) would run one reduction per
+    leaf. Here the small leaves (at most :data:`SMALL_LEAF` elements) of one key and compute dtype are
+    concatenated and reduced once, their total carried by the first of them and 0 by the others; a larger
+    leaf is reduced alone (its own pass, no copy). Exact up to float32 summation order, for every consumer
+    that only sums the values of a key (the groups' and model axes' sums: the key is both).
+    """
+    out: list[Array | None] = [None] * len(leaves)
+    buckets: dict[Any, list[int]] = {}
+    for i, (x, key) in enumerate(zip(leaves, keys, strict=True)):
+        if jnp.size(x) > SMALL_LEAF:
+            out[i] = leaf_sq_norm(x)
+        else:  # shard_map's varying type too: concatenated values must share it
+            buckets.setdefault((key, compute_dtype(jnp.result_type(x)), _compat.varying_axes(x)), []).append(i)
+    for members in buckets.values():
+        if len(members) == 1:
+            out[members[0]] = leaf_sq_norm(leaves[members[0]])
+            continue
+        flat = jnp.concatenate([jnp.ravel(leaves[i].astype(compute_dtype(leaves[i].dtype))) for i in members])
+        out[members[0]] = leaf_sq_norm(flat)
+        for i in members[1:]:
+            out[i] = jnp.zeros([], STAT_DTYPE)
+    return out  # type: ignore[return-value]
+
+
+def leaf_sq_norms(leaves: Sequence[Array]) -> list[Array]:
+    """Each leaf's ``‖x‖²`` (float32, as :func:`leaf_sq_norm`), the small leaves in few reductions.
+
+    Leaves of at most :data:`SMALL_LEAF` elements of one compute dtype and one size class (up to the next
+    power of two) are padded to that width with zeros, stacked, and reduced along it together: one
+    reduction per class instead of one per leaf (a micro-batch loop takes every leaf's norm per
+    micro-batch). Larger leaves are reduced alone. Exact up to float32 summation order.
+    """
+    out: list[Array | None] = [None] * len(leaves)
+    buckets: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        size = int(jnp.size(x))
+        if size > SMALL_LEAF or size <= 1:
+            out[i] = leaf_sq_norm(x)
+            continue
+        width = 1 << (size - 1).bit_length()
+        # shard_map's varying type too: stacked values must share it
+        buckets.setdefault((compute_dtype(jnp.result_type(x)), width, _compat.varying_axes(x)), []).append(i)
+    for (dtype, width, _), members in buckets.items():
+        if len(members) == 1:
+            out[members[0]] = leaf_sq_norm(leaves[members[0]])
+            continue
+        rows = jnp.stack(
+            [jnp.pad(jnp.ravel(leaves[i].astype(dtype)), (0, width - int(jnp.size(leaves[i])))) for i in members]
+        )
+        if jnp.iscomplexobj(rows):
+            sq = jnp.real(rows) * jnp.real(rows) + jnp.imag(rows) * jnp.imag(rows)
+        else:
+            sq = rows * rows
+        sums = jnp.sum(sq, axis=1).astype(STAT_DTYPE)
+        for j, i in enumerate(members):
+            out[i] = sums[j]
+    return out  # type: ignore[return-value]
 
 
 def low_precision(x: Array) -> bool:

@@ -29,7 +29,8 @@ class Options:
         reduced from :func:`~optax_adascale.value_and_grad` under ``jax.jit``).
       accumulation_steps: ``k ≥ 1``: each call adds its gradient to per-replica
         buffers and returns zero updates; the ``k``-th call reduces once and steps.
-        ``1`` with a ``ramp``.
+        ``1`` with a ``ramp``. Traced where ``optax.inject_hyperparams`` calls the factory inside
+        ``update`` (then the state says ``k``: see ``_adascale.accumulation_steps``).
       scale: ``S``, base batches per update; ``None``: the number of samples ``n``.
       estimator: the :class:`~optax_adascale.Estimator` (the moving averages' memory).
       param_labels: labels shaped like the params (or ``params -> labels``), as in
@@ -38,7 +39,8 @@ class Options:
         types cannot tell which parameters are split over model axes
         (``check_vma=False``, ``jax.pmap``).
       shard_optimizer_state: ``None`` (replicated) or ``n``, the data-parallel
-        size: the ZeRO layout.
+        size: the ZeRO layout (traced under ``optax.inject_hyperparams``: then ``n``
+        is the data axes' size at the call).
       delayed_gain: the gain of update ``t`` from the averages through ``t − 1``.
       averaging: ``"debiased"`` or ``"paper"`` (experimental).
       gain_exponent: ``p`` in the step ``r^p·lr`` (experimental).
@@ -62,8 +64,11 @@ class Options:
 
     @property
     def accumulates(self) -> bool:
-        """Whether calls accumulate into per-replica buffers (``accumulation_steps > 1`` or a ramp)."""
-        return self.ramp is not None or self.accumulation_steps > 1
+        """Whether calls accumulate into per-replica buffers (``accumulation_steps > 1`` or a ramp); ``False`` for
+        a traced ``accumulation_steps`` (``optax.inject_hyperparams``: the state says, see
+        ``_adascale.accumulation_steps``)."""
+        k = self.accumulation_steps
+        return self.ramp is not None or (isinstance(k, int) and k > 1)
 
     @property
     def settings(self) -> est.Settings:
@@ -94,9 +99,7 @@ def create(
     nothing else (``TypeError``, as Python says for an unknown keyword).
     """
     ramp = accumulation_steps if isinstance(accumulation_steps, BatchRamp) else None
-    if ramp is None:
-        _checks.check_static_int("accumulation_steps", accumulation_steps, hint=_RAMP_HINT)
-    steps = 1 if ramp is not None else int(accumulation_steps)  # type: ignore[arg-type]
+    steps = 1 if ramp is not None else _checks.static_int("accumulation_steps", accumulation_steps, hint=_RAMP_HINT)
     _checks.check_number("scale", scale, low=1.0)
     _checks.check_bool("delayed_gain", delayed_gain)
     _checks.check_choice("averaging", averaging, est.AVERAGING_MODES)
@@ -104,7 +107,7 @@ def create(
     if precondition is not None and not callable(precondition):
         raise TypeError(f"precondition must be a function of inner's state, got precondition={precondition!r}")
     if shard_optimizer_state is not None:
-        _checks.check_static_int("shard_optimizer_state", shard_optimizer_state)
+        shard_optimizer_state = _checks.static_int("shard_optimizer_state", shard_optimizer_state)
         if axis_name is None:
             raise ValueError(
                 f"shard_optimizer_state={shard_optimizer_state!r} shards over the data axes, but axis_name=None; "

@@ -1,4 +1,4 @@
-"""Reading states: a leaf as a plain array, a depth-first search for a state type, the noise ratio.
+"""Reading states: a leaf as a plain array, a depth-first search for a state type, the noise scale.
 
 Shared by the AdaScale state's readers (``_state``) and the noise monitor's (``tools/_noise``): both find their
 state through optax containers, Flax NNX states and checkpoints restored as plain dicts.
@@ -47,7 +47,16 @@ def search(node: Any, kind: type, from_mapping: Callable[[Mapping], Any], found:
         search(child, kind, from_mapping, found)
 
 
-def noise_ratio(var: Any, sqr: Any) -> jax.Array:
-    """``σ̄²/μ̄²`` (``μ̄²`` floored at 0): ``+inf`` where ``μ̄² = 0 < σ̄²`` (pure noise), 0 where ``σ̄² = 0``."""
-    sqr = jnp.maximum(sqr, 0.0)
-    return jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
+def noise_scale(var: Any, sqr: Any, started: Any) -> tuple[jax.Array, jax.Array]:
+    """``(σ̄²/μ̄², measured)``, never ``±inf``, so that any logger takes it.
+
+    ``measured`` where ``started`` (an estimate was made) and ``μ̄² > 0`` (``μ̄²`` floored at 0):
+    then the ratio (0 where ``σ̄² = 0``: identical samples). Not measurable yet (before the first
+    estimate, or ``μ̄² = 0``: no mean gradient above the noise so far, as for pure noise): 0 and
+    ``measured`` False. Non-finite statistics (a broken state): NaN.
+    """
+    var, sqr = jnp.asarray(var, jnp.float32), jnp.maximum(jnp.asarray(sqr, jnp.float32), 0.0)
+    finite = jnp.isfinite(var) & jnp.isfinite(sqr)
+    measured = jnp.asarray(started) & finite & (sqr > 0)
+    ratio = jnp.where(measured, var / jnp.where(measured, sqr, 1.0), 0.0)
+    return jnp.where(finite, ratio, jnp.nan), measured

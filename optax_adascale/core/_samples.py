@@ -12,6 +12,7 @@ ZeRO rows already reduce-scattered (FSDP): the reduction strategy is chosen from
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -57,7 +58,8 @@ class Samples:
 
     Attributes:
       sq_leaves: per leaf, the mean over this replica's samples of ``‖g_j‖²`` (of ``P ⊙ g_j`` with a
-        preconditioner), float32.
+        preconditioner), float32; from the gradients themselves, the small leaves of one key (group and
+        model axes) carry their total on the first of them (``_norms.fused_sq_norms``).
       count: this replica's samples: ``k`` micro-batches, or 1 (its own gradient).
       mean_sq: per leaf ``‖ḡ‖²`` of the samples' true mean, taken where they were (the GSPMD drop-in), or
         ``None``: then the reduction computes it from the gradients.
@@ -73,9 +75,17 @@ class Samples:
 
     @classmethod
     def of(
-        cls, grads: Any, microbatch_stats: Any, accumulation_steps: Any, precondition: Any, inner_state: Any
+        cls,
+        grads: Any,
+        microbatch_stats: Any,
+        accumulation_steps: Any,
+        precondition: Any,
+        inner_state: Any,
+        keys: Sequence[Hashable] | None = None,
     ) -> Samples:
-        """The samples of one ``update``: from ``microbatch_stats`` if given, else the gradients themselves."""
+        """The samples of one ``update``: from ``microbatch_stats`` if given, else the gradients themselves (their
+        squared norms in few reductions where ``keys`` say which leaves are summed together:
+        ``_norms.fused_sq_norms``)."""
         if microbatch_stats is not None and not isinstance(microbatch_stats, MicrobatchStats):
             raise TypeError(
                 "microbatch_stats must be a MicrobatchStats (from value_and_grad, or the gradient of fsdp_probes), "
@@ -87,6 +97,8 @@ class Samples:
             leaves = jax.tree.leaves(grads)
             if weights is not None:
                 leaves = [g * w for g, w in zip(leaves, weights, strict=True)]
+            if keys is not None:
+                return cls(_norms.fused_sq_norms(leaves, keys), weights=weights)
             return cls([_norms.leaf_sq_norm(g) for g in leaves], weights=weights)
         rows = microbatch_stats.fsdp
         if rows and (accumulation_steps != 1 or microbatch_stats.num_microbatches != 1):

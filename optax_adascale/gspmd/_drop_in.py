@@ -165,6 +165,7 @@ def value_and_grad(
 
     def fn(*args):
         inner, params, state, arrays = call.bind(loss_fn, args)
+        _checks.check_has_leaves(params, "params", where="value_and_grad")
         inner_args = (state, *arrays)
         n_state = len(jax.tree.leaves(state))
         the_mesh = _mesh.resolve_mesh(mesh, names)
@@ -197,6 +198,7 @@ def _per_replica(loss_fn, call, k, has_aux, mesh, unroll):
 
     def fn(*args):
         inner, params, state, arrays = call.bind(loss_fn, args)
+        _checks.check_has_leaves(params, "params", where="value_and_grad")
         _mesh.check_replica_axis_bound(mesh, (params, arrays))
         if threaded:
             per_replica = _microbatch.per_replica(inner, k, has_aux=has_aux, unroll=unroll, threaded=True)

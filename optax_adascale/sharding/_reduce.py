@@ -155,7 +155,8 @@ class FsdpRows:
 
 
 def _check_rows(num_replicas: int, axes: _collect.Axes, state: Any) -> None:
-    if axes.replicas != num_replicas:
+    # Traced under optax.inject_hyperparams (an int of the factory made an array): n is the axes' size here.
+    if isinstance(num_replicas, int) and axes.replicas != num_replicas:
         raise ValueError(
             f"shard_optimizer_state={num_replicas} but the data axes {axes.name!r} have {axes.replicas} "
             "replicas here; pass shard_optimizer_state equal to the data-parallel size."

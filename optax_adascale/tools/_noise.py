@@ -99,7 +99,8 @@ def noise_scale_monitor(
 
     One sample per update (``n = 1``: one device, no micro-batches) has no
     spread to measure: the monitor warns once at trace time, leaves its
-    averages untouched and the metrics read NaN. Split the batch:
+    averages untouched and the noise scales read 0, not measured
+    (``noise_scale_measured`` False). Split the batch:
     ``value_and_grad(loss_fn, num_microbatches=2)``. Updates with non-finite
     statistics (e.g. a loss-scaling overflow) are left out of the averages.
 
@@ -211,7 +212,7 @@ def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tup
     if n == 1:
         warnings.warn(
             "noise_scale_monitor sees n = 1 gradient sample per update: one sample has no spread, so the noise "
-            "scale cannot be estimated and reads NaN. Split the batch into micro-batches "
+            "scale cannot be estimated (it reads 0, noise_scale_measured False). Split the batch into micro-batches "
             "(optax_adascale.value_and_grad(loss_fn, num_microbatches=2)) or use several data shards.",
             stacklevel=4,
         )
@@ -295,17 +296,19 @@ def metrics(opt_state: Any) -> dict[str, Array]:
     Keys: ``noise_scale`` (``σ̄²/μ̄²`` in base batches, i.e. gradient samples),
     ``noise_scale_examples`` (times the examples per sample: ``tr(Σ)/|G|²``),
     ``noise_scale_tokens`` (times ``tokens_per_example``), ``grad_sqr``
-    (``μ̄²``), ``grad_var`` (``σ̄²``). The noise scales are NaN before the first
-    estimate (and with ``n = 1``), ``+inf`` where ``μ̄² = 0 < σ̄²`` (pure noise),
-    0 where ``σ̄² = 0`` (identical samples); the two in examples and tokens are
-    NaN without ``batch_size`` / ``tokens_per_example``.
+    (``μ̄²``), ``grad_var`` (``σ̄²``), ``noise_scale_measured``. The noise
+    scales are never ``±inf``: before the first estimate (and with ``n = 1``)
+    and while ``μ̄² = 0`` (no mean gradient above the noise so far, e.g. pure
+    noise) they are 0 and ``noise_scale_measured`` is False; 0 where ``σ̄² = 0``
+    (identical samples: measured); the two in examples and tokens are NaN
+    without ``batch_size`` / ``tokens_per_example``.
     """
     s = jax.tree.map(_read.value, get_noise_state(opt_state))
     var, sqr = s.grad_var, jnp.maximum(s.grad_sqr, 0.0)
-    ratio = _read.noise_ratio(var, sqr)
-    ratio = jnp.where(s.count > 0, ratio, jnp.nan)
+    ratio, measured = _read.noise_scale(var, sqr, s.count > 0)
     examples = ratio * s.examples_per_sample
     return {
+        "noise_scale_measured": measured,
         "noise_scale": ratio,
         "noise_scale_examples": examples,
         "noise_scale_tokens": examples * s.tokens_per_example,

@@ -72,10 +72,16 @@ BAD_INPUTS = {
         TypeError,
         r"accumulation_steps=2\.0",
     ),
-    "accumulation_steps=array": (
-        lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=jnp.array(2)),
+    "accumulation_steps=float array": (
+        lambda: optax_adascale.adascale_sgd(0.1, accumulation_steps=jnp.array(2.0)),
         TypeError,
-        r"static_args",
+        r"accumulation_steps must be a static Python int",
+    ),
+    "learning_rate=an array of 100 values": (
+        lambda: optax_adascale.adascale_sgd(jnp.linspace(0.1, 0.0, 100)),
+        TypeError,
+        r"^learning_rate must be a number or a schedule .*got an array of shape \(100,\) and dtype float32\. "
+        r"To follow a table of values, pass a function of the step: [^\[\]]*\[jnp\.minimum\(t, len\(table\) - 1\)\]$",
     ),
     "scale=0.5": (lambda: optax_adascale.adascale_sgd(0.1, scale=0.5), ValueError, r"scale=0\.5"),
     "smoothing=1.0": (lambda: optax_adascale.adascale_sgd(0.1, smoothing=1.0), ValueError, r"smoothing=1\.0"),
@@ -214,6 +220,33 @@ def test_gradients_averaged_before_update_are_counted_as_floored_steps(path):
     assert float(m_right["gain"]) > 1.05
 
 
+def test_done_warns_after_a_run_of_updates_whose_replicas_agreed_exactly():
+    # The pmean-before-update signature is only in the state (floored_steps); done() reads it on the host.
+    n = 4
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="data")
+    wrong = jax.jit(
+        jax.vmap(
+            lambda g, s, p: tx.update(jax.lax.pmean(g, "data"), s, p),
+            in_axes=(0, None, None),
+            out_axes=(None, None),
+            axis_name="data",
+        )
+    )
+    right = replica_update(tx, axis_name="data", axis_size=n)
+    s_wrong = s_right = tx.init(PARAMS)
+    for seed in range(optax_adascale._state.FLOORED_RUN):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # not before FLOORED_RUN updates
+            assert not optax_adascale.done(s_wrong, 1000)
+        _, s_wrong = wrong(replica_grads(PARAMS, n, seed), s_wrong, PARAMS)
+        _, s_right = right(replica_grads(PARAMS, n, seed), s_right, PARAMS)
+    with pytest.warns(UserWarning, match=r"replicas agreed exactly.*gain stays at 1.*averaged before update"):
+        optax_adascale.done(s_wrong, 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not optax_adascale.done(s_right, 1000)
+
+
 # --------------------------------------------------------------------------- every step non-finite
 
 
@@ -331,18 +364,27 @@ def test_a_single_replica_axis_warns_that_adascale_is_the_identity():
 # --------------------------------------------------------------------------- odd trees
 
 
-def test_empty_param_tree_is_a_harmless_no_op():
-    # No gradient means no signal: σ̂² = eps, μ̂² = 0, so the gain is S (as FairScale computes it).
+def _first_update(tx, params):
+    return tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+
+
+EMPTY_TREES = {
+    "empty": lambda tx: _first_update(tx, {}),
+    "only None": lambda tx: _first_update(tx, {"w": None}),
+    "all frozen by multi_transform": lambda tx: _first_update(
+        optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, {"w": "frozen", "b": "frozen"}), PARAMS
+    ),
+}
+
+
+@pytest.mark.parametrize("update", EMPTY_TREES.values(), ids=EMPTY_TREES.keys())
+def test_a_param_tree_with_nothing_to_train_is_refused_at_the_first_update_naming_the_fix(update):
+    # It used to train on nothing: with no gradient σ̂² = eps and μ̂² = 0, so the gain was S and τ advanced by S
+    # per update while no parameter moved. (init accepts it: optax.tree_map_params initialises with a tree of
+    # no leaves.)
     tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, accumulation_steps=2)
-    state = tx.init({})
-    update = jax.jit(tx.update)
-    for _ in range(2):
-        updates, state = update({}, state, {})
-    assert updates == {}
-    m = optax_adascale.metrics(state)
-    assert int(state.count) == 1 and int(m["skipped_steps"]) == 0
-    assert float(m["gain"]) == 2.0 and float(m["noise_scale"]) == np.inf  # pure noise: σ̄² = eps, μ̄² = 0
-    assert all(np.isfinite(float(v)) for k, v in m.items() if k != "noise_scale")
+    with pytest.raises(ValueError, match=r"AdaScale got grads with no array leaves.*leave AdaScale out"):
+        update(tx)
 
 
 def test_scalar_params_with_per_replica_accumulation():

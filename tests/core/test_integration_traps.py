@@ -2,7 +2,8 @@
 
 (i) ``optax.inject_hyperparams`` evaluating a learning-rate schedule on its own count (Levanter);
 (ii) count-based schedule readers and ``optax.scale_by_schedule`` (big_vision, Flax, MaxText);
-(iii) gradients averaged before the optimizer (Flax imagenet under pmap).
+(iii) gradients averaged before the optimizer (Flax imagenet under pmap);
+(iv) ``optax.MultiSteps`` around AdaScale.
 """
 
 import jax
@@ -61,16 +62,79 @@ def test_inject_hyperparams_schedule_is_refused_through_a_levanter_style_factory
 
 
 def test_inject_hyperparams_with_static_learning_rate_runs_the_schedule_on_tau():
+    # The refusal's advice, exactly as it reads: static_args=('learning_rate',) and nothing else.
     plain_updates, plain = _run(optax_adascale.adascale_sgd(schedule, axis_name="i"))
-    injected = optax.inject_hyperparams(
-        optax_adascale.adascale_sgd, static_args=("learning_rate", "accumulation_steps")
-    )(learning_rate=schedule, axis_name="i")
+    injected = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("learning_rate",))(
+        learning_rate=schedule, axis_name="i"
+    )
     updates, state = _run(injected)
     m = optax_adascale.metrics(state)
     assert float(m["gain"]) == pytest.approx(N)
     # The third update runs at τ = 2N: lr(16), not lr(2) as the count would give.
     np.testing.assert_allclose(m["base_learning_rate"], schedule(2 * N), rtol=1e-6)
     np.testing.assert_array_equal(updates, plain_updates)
+
+
+# inner(ḡ) per coordinate for N orthogonal unit samples (ḡ = 1/N): SGD's ḡ itself, Adam's first step ḡ/(|ḡ| + ε).
+DIRECTIONS = {"adascale_sgd": 1.0 / N, "adascale_adamw": (1.0 / N) / (1.0 / N + 1e-8)}
+
+
+@pytest.mark.parametrize("name", DIRECTIONS)
+def test_inject_hyperparams_trains_with_no_static_args_and_the_injected_learning_rate_sets_the_step(name):
+    # optax.inject_hyperparams makes every number an array of its state (accumulation_steps too); under jit the
+    # factory gets them traced. Orthogonal samples: gain N, so the step is −N·lr·inner(ḡ), for the lr set in the state.
+    tx = optax.inject_hyperparams(getattr(optax_adascale, name))(learning_rate=0.5, axis_name="i")
+    params = jnp.zeros(N)
+    state = tx.init(params)
+    step = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i"))
+    updates, state = step(jnp.eye(N), state, params)
+    np.testing.assert_allclose(updates, np.full(N, -N * 0.5 * DIRECTIONS[name]), rtol=1e-6)
+    state.hyperparams["learning_rate"] = jnp.asarray(0.125)
+    updates, state = step(jnp.eye(N), state, params)
+    np.testing.assert_allclose(updates, np.full(N, -N * 0.125 * DIRECTIONS[name]), rtol=1e-5)  # Adam: 1 - 0.9², ...
+    # Every reader finds AdaScale's state inside inject_hyperparams'.
+    assert int(optax_adascale.get_adascale_state(state).count) == 2
+    m = optax_adascale.metrics(state)
+    assert float(m["gain"]) == pytest.approx(N) and float(m["base_learning_rate"]) == 0.125
+    assert float(optax_adascale.scale_invariant_steps(state)) == pytest.approx(2 * N)
+    assert optax_adascale.done(state, 2 * N) and not optax_adascale.done(state, 2 * N + 1)
+
+
+def test_inject_hyperparams_with_accumulation_steps_above_one_names_static_args_and_that_works():
+    # k shapes the program: traced inside jit it cannot be read, and the refusal names the spelling that works.
+    params = jnp.zeros(N)
+
+    def vmapped(tx):  # per-replica accumulation buffers (state_axes)
+        state = optax_adascale.replicate_buffers(tx.init(params), N)
+        axes = optax_adascale.state_axes(state)
+        return jax.jit(jax.vmap(tx.update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")), state
+
+    tx = optax.inject_hyperparams(optax_adascale.adascale_sgd)(learning_rate=0.5, axis_name="i", accumulation_steps=2)
+    step, state = vmapped(tx)
+    with pytest.raises(TypeError, match=r"static_args=\('accumulation_steps',\)"):
+        step(jnp.eye(N), state, params)
+    tx = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("accumulation_steps",))(
+        learning_rate=0.5, axis_name="i", accumulation_steps=2
+    )
+    step, state = vmapped(tx)
+    _, state = step(jnp.eye(N), state, params)
+    updates, state = step(jnp.eye(N), state, params)
+    # Replica i's samples are e_i twice: a = 1, b = 1/N, n = S = 2N; σ̂² = S(a − b)/(n − 1), μ̂² = b − σ̂²/S.
+    n = S = 2 * N
+    var = S * (1 - 1 / N) / (n - 1)
+    sqr = 1 / N - var / S
+    gain = (var + sqr) / (var / S + sqr)
+    np.testing.assert_allclose(updates, np.full(N, -gain * 0.5 / N), rtol=1e-6)
+
+
+def test_setting_an_injected_accumulation_steps_is_refused_by_the_readers():
+    # accumulation_steps is an entry of opt_state.hyperparams, but the state fixes it: a new value would do nothing.
+    tx = optax.inject_hyperparams(optax_adascale.adascale_sgd)(learning_rate=0.5, axis_name="i")
+    state = tx.init(jnp.zeros(N))
+    assert int(optax_adascale.get_adascale_state(state).count) == 0  # the value it was built with reads fine
+    state.hyperparams["accumulation_steps"] = jnp.asarray(4)
+    with pytest.raises(ValueError, match=r"hyperparams\['accumulation_steps'\] is 4.*transfer_state"):
+        optax_adascale.metrics(state)
 
 
 def test_inject_hyperparams_constant_learning_rate_is_accepted_and_can_be_set():
@@ -160,6 +224,27 @@ def test_gradients_pmeaned_before_update_under_shard_map_raise():
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
     with pytest.raises(ValueError, match="not per-replica gradients"):
         f(tx.init(params), _local_grads())
+
+
+# --------------------------------------------------------------------------- (iv) optax.MultiSteps around AdaScale
+
+
+@pytest.mark.parametrize("front_door", ["vmap", "pmap", "shard_map"])
+def test_multisteps_around_adascale_is_refused_by_our_message_at_every_front_door(front_door):
+    # Under vmap JAX failed first ("vmap has mapped output but out_axes is None"), under shard_map a generic
+    # "does not vary" listed three causes, under pmap it ran until a reader refused the state.
+    tx = optax.MultiSteps(optax_adascale.adascale_sgd(0.1, axis_name="i"), every_k_schedule=2)
+    params = jnp.zeros(N)
+    if front_door == "vmap":
+        step = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i"))
+    elif front_door == "pmap":
+        step = jax.pmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
+    else:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+        local = lambda g, s, p: tx.update(g[0], s, p)  # noqa: E731
+        step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("i"), P(), P()), out_specs=(P(), P())))
+    with pytest.raises(ValueError, match=r"^optax.MultiSteps around AdaScale.*accumulation_steps=k"):
+        step(jnp.eye(N), tx.init(params), params)
 
 
 # --------------------------------------------------------------------------- clipping before update

@@ -34,13 +34,26 @@ def test_noise_scale_on_a_noisy_quadratic_is_sigma2_over_mu2(sigma2, mu2):
     assert float(optax_adascale.metrics(state)["noise_scale"]) == float(optax_adascale.metrics(state)["noise_scale"])
 
 
-def test_noise_scale_is_infinite_for_pure_noise_and_zero_before_the_first_update():
+def test_noise_scale_reads_zero_not_measured_before_the_first_update_and_for_pure_noise():
+    # It read +inf for pure noise: a trap in logs. Every reading is finite; noise_scale_measured says which count.
     tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i")
     params = jnp.zeros(2)
-    assert float(optax_adascale.metrics(tx.init(params))["noise_scale"]) == 0.0
+    m = optax_adascale.metrics(tx.init(params))
+    assert float(m["noise_scale"]) == 0.0 and not bool(m["noise_scale_measured"])
     _, state = replica_update(tx)(jnp.array([[1.0, 0.0], [-1.0, 0.0]]), tx.init(params), params)  # mean exactly 0
-    assert float(optax_adascale.metrics(state)["grad_sqr"]) == 0.0
-    assert float(optax_adascale.metrics(state)["noise_scale"]) == np.inf
+    m = optax_adascale.metrics(state)
+    assert float(m["grad_sqr"]) == 0.0 and float(m["grad_var"]) > 0
+    assert float(m["noise_scale"]) == 0.0 and not bool(m["noise_scale_measured"])
+    assert all(np.all(np.isfinite(v)) for v in jax.tree.leaves(m))
+
+
+def test_noise_scale_is_measured_once_the_mean_gradient_shows():
+    tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i")
+    params = jnp.zeros(2)
+    _, state = replica_update(tx)(jnp.array([[3.0, 0.0], [1.0, 0.0]]), tx.init(params), params)
+    m = optax_adascale.metrics(state)
+    assert bool(m["noise_scale_measured"])
+    np.testing.assert_allclose(m["noise_scale"], float(m["grad_var"]) / float(m["grad_sqr"]), rtol=1e-6)
 
 
 # --------------------------------------------------------------------------- horizon

@@ -378,28 +378,19 @@ def test_updates_keep_the_params_dtype(optimizer, config, dtype):
 
 @optimizers
 @setups
-def test_multisteps_first_update_is_exactly_zero(optimizer, config):
+def test_multisteps_around_adascale_is_refused_when_update_is_traced(optimizer, config):
+    # optax's contract suite checks that MultiSteps' first update is zero. Around AdaScale MultiSteps hands one
+    # call's statistics to an update (and under vmap its per-replica accumulator failed inside JAX, "vmap has mapped
+    # output but out_axes is None"): refused in every configuration with the fix, as under shard_map.
     setup = Setup.of(config)
-    if setup.accumulation_steps > 1:
-        pytest.skip(
-            "MultiSteps around accumulation_steps=2 accumulates twice (AdaScale would step every 8 calls); "
-            "accumulation_steps=k is the supported way to accumulate"
-        )
     multi = optax.MultiSteps(setup.make(optimizer), every_k_schedule=4)
     params = jnp.array([1.0, 2.0])
-    grads = jnp.array([0.5, -1.5])
-    state = jit(multi.init)(params)
     update = multi.update
     if setup.replicas > 1:
-        # MultiSteps accumulates each replica's own gradients (per-replica acc_grads); AdaScale then reduces the
-        # replicas' accumulated gradients when MultiSteps emits.
-        state = state._replace(acc_grads=jnp.stack([state.acc_grads] * setup.replicas))
-        axes = jax.tree.map(lambda _: None, state)._replace(acc_grads=0)
-        update = jax.vmap(multi.update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")
-    (x,) = setup.inputs(grads, 0.25)
-    updates, state = jit(update)(x, state, params)
-    np.testing.assert_array_equal(updates, jnp.zeros_like(grads))
-    assert updates.dtype == grads.dtype
+        update = jax.vmap(multi.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
+    x = setup.inputs(jnp.array([0.5, -1.5]), 0.25)[0]
+    with pytest.raises(ValueError, match=r"optax.MultiSteps around AdaScale.*accumulation_steps=k"):
+        jit(update)(x, jit(multi.init)(params), params)
 
 
 # --------------------------------------------------------------------------- 8. lax.cond stability
@@ -520,6 +511,7 @@ def jax_can_psum_over_a_vmap_axis_on_an_explicit_mesh(mesh) -> bool:
 
 @optimizers
 @setups
+@pytest.mark.filterwarnings("ignore:update got no microbatch_stats")  # no_axis on 8 devices: n = 1, as it says
 def test_state_types_match_across_init_update_and_jit_on_an_explicit_mesh(optimizer, config):
     setup = Setup.of(config)
     tx = setup.make(optimizer)

@@ -5,6 +5,7 @@ said nothing, ``optax.MultiSteps`` around AdaScale reported one call's scale, an
 ``update`` pinned the gain at S.
 """
 
+import contextlib
 import warnings
 
 import jax
@@ -44,6 +45,17 @@ def test_data_axes_naming_an_axis_the_batch_is_not_sharded_over_raises():
     fn = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="model"))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"no argument is sharded over \('model',\).*data_axes="):
         fn(init_params(), x, y)
+
+
+@pytest.mark.parametrize("params", [{}, {"w": None}], ids=["empty", "only None"])
+@pytest.mark.parametrize("data_axes", ["data", None], ids=["global batch", "per replica"])
+def test_params_with_nothing_to_differentiate_are_refused_naming_the_fix(params, data_axes):
+    # 0.3 raised JAX's "in_specs passed to shard_map ..." on the global batch.
+    mesh = jax.make_mesh((8,), ("data",))
+    x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch())
+    fn = jax.jit(optax_adascale.value_and_grad(lambda p, x, y: loss_fn(init_params(), x, y), data_axes=data_axes))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"^value_and_grad got params with no array leaves"):
+        fn(params, x, y)
 
 
 def test_a_one_device_data_axis_warns_that_adascale_is_the_identity():
@@ -106,3 +118,96 @@ def test_grads_changed_between_the_drop_in_and_update_leave_the_gain_as_unchange
             for field in ("gain", "grad_var", "grad_sqr", "tau_frac"):
                 np.testing.assert_allclose(float(getattr(ours, field)), float(getattr(ref, field)), rtol=1e-6)
             assert float(norm) < 0.1  # the clip (or scale) was active
+
+
+# --------------------------------------------------------------------------- a silent S = 1
+
+AUTO = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+EXPLICIT = jax.make_mesh((8,), ("data",))
+
+
+def _sharded_batch(mesh):
+    return tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch())
+
+
+def _forgetful_step(tx):
+    """A jit step over the global batch that forgot ``microbatch_stats=stats``."""
+
+    def step(params, opt_state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        return tx.update(grads, opt_state, params)
+
+    return jax.jit(step)
+
+
+@pytest.mark.parametrize(
+    "mesh, set_mesh",
+    [(AUTO, True), (EXPLICIT, True), (AUTO, False)],
+    ids=["Auto mesh set", "Explicit mesh set", "arrays placed on a mesh, none set"],
+)
+def test_a_global_batch_step_without_microbatch_stats_warns_that_adascale_is_the_identity(mesh, set_mesh):
+    tx = optax_adascale.adascale_sgd(0.1)
+    context = jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext()
+    with context, pytest.warns(UserWarning, match=r"no microbatch_stats.*8 devices.*identity.*microbatch_stats=stats"):
+        _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(mesh))
+
+
+def _no_warning(run):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run()
+
+
+def test_a_single_device_step_does_not_warn():
+    tx = optax_adascale.adascale_sgd(0.1)
+    _no_warning(lambda: _forgetful_step(tx)(init_params(), tx.init(init_params()), *batch()))
+
+
+def test_a_global_batch_step_with_accumulation_does_not_warn():
+    tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=2)  # each call's global-batch gradient is a sample
+    with jax.set_mesh(AUTO):
+        _no_warning(lambda: _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO)))
+
+
+@pytest.mark.parametrize("front_door", ["vmap", "pmap", "shard_map"])
+def test_per_replica_steps_with_axis_name_do_not_warn_inside_a_mesh(front_door):
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="data")
+    grads = jax.tree.map(lambda p: np.stack([p * (i + 1) for i in range(8)]), init_params())
+    if front_door == "vmap":
+        step = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="data"))
+    elif front_door == "pmap":
+        step = jax.pmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="data")
+    else:
+        local = lambda g, s, p: tx.update(jax.tree.map(lambda x: x[0], g), s, p)  # noqa: E731
+        step = jax.jit(jax.shard_map(local, mesh=AUTO, in_specs=(P("data"), P(), P()), out_specs=(P(), P())))
+    with jax.set_mesh(AUTO):
+        _no_warning(lambda: step(grads, tx.init(init_params()), init_params()))
+
+
+# --------------------------------------------------------------------------- the flagship's CNN
+
+
+@pytest.mark.parametrize("mesh", [EXPLICIT, AUTO], ids=["Explicit", "Auto"])
+def test_the_flagships_convolutional_model_runs_through_the_drop_in_exactly(mesh):
+    # examples/train_mnist1d.py's Flax CNN: the convolutions' per-shard backward raised JAX's ShardingTypeError
+    # ("This reshape is not supported") on both meshes; jax.value_and_grad's numbers are the truth.
+    from benchmarks.leaves.leaves import flagship_cnn
+
+    model = flagship_cnn(4)
+    params = model.init(jax.random.key(0), np.zeros((1, 40), np.float32))["params"]
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 40)).astype(np.float32), rng.integers(0, 10, 64).astype(np.int32)
+
+    def loss(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+    with jax.set_mesh(mesh):
+        xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+        value, grads, stats = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))(params, xs, ys)
+    ref_value, ref_grads = jax.value_and_grad(loss)(params, x, y)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+    # The samples: each device's 8 rows' mean gradient.
+    shard = [jax.grad(loss)(params, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]) for i in range(8)]
+    expected = np.mean([float(optax.tree.norm(g, squared=True)) for g in shard])
+    assert sum(float(v) for v in jax.tree.leaves(stats.sq_norms)) == pytest.approx(expected, rel=1e-4)

@@ -240,7 +240,7 @@ def test_jit_compiles_once_and_keeps_state_types():
 # --------------------------------------------------------------------------- one sample, bad input, readers
 
 
-def test_one_sample_warns_passes_through_and_reads_nan():
+def test_one_sample_warns_passes_through_and_reads_not_measured():
     tx = optax.chain(optax_adascale.noise_scale_monitor(batch_size=8), optax.sgd(1.0))
     params = jnp.zeros(2)
     stats = optax_adascale.MicrobatchStats(jnp.float32(2.0), 1)
@@ -248,18 +248,20 @@ def test_one_sample_warns_passes_through_and_reads_nan():
         updates, state = tx.update(jnp.ones(2), tx.init(params), params, microbatch_stats=stats)
     np.testing.assert_array_equal(updates, -jnp.ones(2))
     got = _noise.metrics(state)
-    assert np.isnan(got["noise_scale"]) and np.isnan(got["noise_scale_examples"])
+    assert float(got["noise_scale"]) == float(got["noise_scale_examples"]) == 0.0
+    assert not bool(got["noise_scale_measured"])
     assert int(_noise.get_noise_state(state).count) == 0
 
 
-def test_noise_scales_are_nan_before_the_first_update_and_without_sizes():
+def test_noise_scales_are_not_measured_before_the_first_update_and_nan_without_sizes():
     tx = optax_adascale.noise_scale_monitor()
     state = tx.init(jnp.zeros(2))
-    assert np.isnan(_noise.metrics(state)["noise_scale"])
+    got = _noise.metrics(state)
+    assert float(got["noise_scale"]) == 0.0 and not bool(got["noise_scale_measured"])
     stats = optax_adascale.MicrobatchStats(jnp.float32(3.0), 2)
     _, state = tx.update(jnp.ones(2), state, microbatch_stats=stats)
     got = _noise.metrics(state)
-    assert float(got["noise_scale"]) == pytest.approx(2.0)
+    assert float(got["noise_scale"]) == pytest.approx(2.0) and bool(got["noise_scale_measured"])
     assert np.isnan(got["noise_scale_examples"]) and np.isnan(got["noise_scale_tokens"])
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.leaves.leaves import main
+
+sys.exit(main())
