@@ -144,7 +144,7 @@ def _update(
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
     axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
     ramp = collection.ramp
-    k = accumulation_steps(collection, state) if ramp is None else None
+    k: Any = accumulation_steps(collection, state) if ramp is None else None
     keys = _collect.statistic_keys(groups, axes.model, grads)
     per_update = k if ramp is None else ramp
     samples = _samples.Samples.of(grads, microbatch_stats, per_update, collection.precondition, state.inner_state, keys)

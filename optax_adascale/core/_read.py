@@ -47,6 +47,13 @@ def search(node: Any, kind: type, from_mapping: Callable[[Mapping], Any], found:
         search(child, kind, from_mapping, found)
 
 
+def noise_ratio(var: Any, sqr: Any) -> jax.Array:
+    """``σ̄²/μ̄²`` (``μ̄²`` floored at 0) as the batch ramp's controller reads it: ``+inf`` where ``μ̄² = 0 < σ̄²``
+    (pure noise: any batch pays), 0 where ``σ̄² = 0``. Readers show :func:`noise_scale` instead (never ``±inf``)."""
+    sqr = jnp.maximum(sqr, 0.0)
+    return jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
+
+
 def noise_scale(var: Any, sqr: Any, started: Any) -> tuple[jax.Array, jax.Array]:
     """``(σ̄²/μ̄², measured)``, never ``±inf``, so that any logger takes it.
 
