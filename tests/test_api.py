@@ -99,8 +99,10 @@ def test_inject_hyperparams_works_with_the_explicit_keywords_static_and_options_
 
 def test_value_and_grad_has_the_pinned_keywords_and_update_takes_one_statistics_keyword():
     params = inspect.signature(optax_adascale.value_and_grad).parameters
-    assert list(params)[:5] == ["loss_fn", "data_axes", "num_microbatches", "has_aux", "mesh"]
-    assert [params[k].default for k in ("data_axes", "num_microbatches", "has_aux", "mesh")] == [None, 1, False, None]
+    assert list(params)[:6] == ["loss_fn", "data_axes", "num_microbatches", "has_aux", "mesh", "param_specs"]
+    pinned = ("data_axes", "num_microbatches", "has_aux", "mesh", "param_specs")
+    assert [params[k].default for k in pinned] == [None, 1, False, None, None]
+    assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in list(params)[1:])
     update = optax_adascale.adascale_sgd(0.1).update
     keywords = {n for n, p in inspect.signature(update).parameters.items() if p.kind is p.KEYWORD_ONLY}
     assert keywords == {"microbatch_stats"}

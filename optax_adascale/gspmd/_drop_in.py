@@ -39,13 +39,13 @@ from optax_adascale.gspmd._layout import Layout
 
 def value_and_grad(
     loss_fn: Callable[..., Any],
-    argnums: int | tuple[int, ...] = 0,
     *,
     data_axes: str | tuple[str, ...] | None = None,
     num_microbatches: int = 1,
     has_aux: bool = False,
     mesh: Any = None,
     param_specs: Any = None,
+    argnums: int | tuple[int, ...] = 0,
     arg_specs: Any = None,
     state_argnum: int | None = None,
     unroll: int | bool = 1,
@@ -104,10 +104,6 @@ def value_and_grad(
 
     Args:
       loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)``).
-      argnums: which positional arguments to differentiate, as
-        ``jax.value_and_grad`` takes it (a tuple gives a tuple of gradients and
-        of statistics). Arguments that are not arrays (a config object, Python
-        numbers) are passed to ``loss_fn`` as they are.
       data_axes: mesh axis name(s) the batch is sharded over, or ``None``.
       num_microbatches: ``k ≥ 1`` micro-batches per step (per replica).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
@@ -117,6 +113,10 @@ def value_and_grad(
         Auto axes the parameters keep this layout inside the loss (an Auto
         mesh does not record it in their types). On Explicit axes the types
         say it; specs given there must agree with them.
+      argnums: which positional arguments to differentiate, as
+        ``jax.value_and_grad`` takes it (a tuple gives a tuple of gradients and
+        of statistics). Arguments that are not arrays (a config object, Python
+        numbers) are passed to ``loss_fn`` as they are.
       arg_specs: the same for the arguments that are not differentiated, on a
         mesh with Auto axes: one entry per such argument, in order (a
         ``PartitionSpec`` or a pytree prefix of the argument), or one spec for
