@@ -67,6 +67,10 @@ def options(config, data, params_shardings) -> dict[str, Any]:
     names = (first,) if isinstance(first, str) else tuple(first)
     axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
     auto = any(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    if getattr(getattr(config, "lora", None), "enable_lora", False):  # curr_params: the adapters alone
+        from flax import nnx
+
+        params_shardings = params_shardings.filter(nnx.LoRAParam)
     return dict(
         data_axes=axes,
         num_microbatches=config.gradient_accumulation_steps,

@@ -146,6 +146,36 @@ def checked(value_and_grad, closure: bool):
     return make
 
 
+def model_creation_utils_from_config_with_lora() -> None:
+    """MaxText 0.2.5's pre-training never adds LoRA adapters (its ``train_step`` trains ``nnx.LoRAParam`` when
+    ``lora.enable_lora``; only its SFT trainer adds them, eagerly, with ``lora_utils.apply_lora_to_model``, which
+    reads ``.sharding`` of concrete arrays and so fails inside the pre-training setup's ``jit``/``eval_shape``).
+    This is that function without its eager resharding of the adapters (their ``sharding`` metadata, ``P()``,
+    replicated, places them), applied to every model ``from_config`` builds."""
+    import qwix
+    from flax import nnx
+    from maxtext.utils import lora_utils, model_creation_utils
+
+    from_config = model_creation_utils.from_config
+
+    def with_lora(config, devices=None, mesh=None, **kw):
+        model = from_config(config, devices, mesh, **kw)
+        decoder = getattr(model, "decoder", model)
+        tokens, positions = lora_utils._prepare_dummy_inputs(mesh)  # noqa: SLF001
+        model = qwix.apply_lora_to_model(
+            model, lora_utils._build_lora_provider(config), decoder_input_tokens=tokens,  # noqa: SLF001
+            decoder_positions=positions, rngs=getattr(decoder, "rngs", None),
+        )
+        for _, node in nnx.iter_graph(model):
+            if hasattr(node, "__dict__") and "qwix_rngs" in node.__dict__:
+                del node.qwix_rngs
+            if isinstance(node, nnx.LoRAParam):
+                node.set_metadata(sharding=jax.sharding.PartitionSpec(), out_sharding=None, sharding_names=None)
+        return model
+
+    model_creation_utils.from_config = with_lora
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("maxtext", "adascale"), required=True)
@@ -155,6 +185,7 @@ def main() -> int:
     parser.add_argument("--unequal", action="store_true", help="padded rows: unequal real tokens per shard")
     parser.add_argument("--eval-at", type=int, default=None, help="also the held-out loss at this iteration")
     parser.add_argument("--prng", default=None, help="jax_default_prng_impl (MaxText: unsafe_rbg)")
+    parser.add_argument("--lora", action="store_true", help="MaxText's LoRA adapters (lora.* overrides) applied")
     parser.add_argument("--closure", action="store_true", help="the drop-in on a lambda closing over rest")
     parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides")
     args = parser.parse_args()
@@ -168,6 +199,8 @@ def main() -> int:
 
     import optax_adascale
 
+    if args.lora:  # LoRA adapters as MaxText's SFT trainer adds them (lora_utils.apply_lora_to_model, qwix)
+        model_creation_utils_from_config_with_lora()
     if args.mode == "adascale":
         adascale_maxtext.use_adascale()
         if args.check or args.closure:
