@@ -3,7 +3,7 @@ decoder (issue 32): ``compiled.memory_analysis()`` of the ``jax.jit`` that MaxTe
 its in/out shardings, the state donated), argument + output + temp − alias bytes per device.
 
     python memory.py --mesh fsdp8 --shard-mode auto        # inside the MaxText venv (run.sh makes it)
-    python memory.py --all                                 # the four mesh × shard_mode cases, the README's table
+    python memory.py --all                                 # every case of the README's table, one process each
 
 The model: 8 layers, width 1024, MLP 4096 (gated: two 1024 × 4096 inputs and one 4096 × 1024 output), 8 heads
 of 128, byte vocabulary (256), 256-token rows, one row per device, AdamW: 135 M float32 parameters (540 MB), so
@@ -49,6 +49,8 @@ MESHES = {
 }
 MIB = 2**20
 VARIANTS = ("maxtext", "adascale", "optimizer")
+ALL = [("fsdp8", "auto"), ("fsdp8", "explicit"), ("d2f2t2", "auto"), ("d2f2t2", "explicit"), ("d2f4", "auto"),
+       ("f4t2", "auto")]
 
 
 def measure(mesh_name: str, shard_mode: str, extra: list[str]) -> dict:
@@ -140,13 +142,12 @@ def main() -> int:
         print(text)
         return 0
     rows = []
-    for mesh_name in ("fsdp8", "d2f2t2"):
-        for mode in ("auto", "explicit"):
-            out = Path(f"/tmp/maxtext_memory_{mesh_name}_{mode}.json")
-            cmd = [sys.executable, __file__, "--mesh", mesh_name, "--shard-mode", mode, "--out", str(out)]
-            subprocess.run([*cmd, "--", *args.overrides], check=True, capture_output=True)
-            rows.append(json.loads(out.read_text()))
-            print(json.dumps(rows[-1]), flush=True)
+    for mesh_name, mode in ALL:
+        out = Path(f"/tmp/maxtext_memory_{mesh_name}_{mode}.json")
+        cmd = [sys.executable, __file__, "--mesh", mesh_name, "--shard-mode", mode, "--out", str(out)]
+        subprocess.run([*cmd, "--", *args.overrides], check=True, capture_output=True)
+        rows.append(json.loads(out.read_text()))
+        print(json.dumps(rows[-1]), flush=True)
     (args.out or HERE / "memory.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
     return 0
