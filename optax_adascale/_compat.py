@@ -17,6 +17,15 @@ import jax.numpy as jnp
 # --------------------------------------------------------------------------- jaxprs
 
 
+def shard_map_manual_axes(params: dict[str, Any]) -> frozenset[str]:
+    """The axes a ``shard_map`` equation makes manual (``newly_manual_axes`` on JAX 0.10–0.12; older spellings
+    ``manual_axes``/``axis_names``)."""
+    for key in ("newly_manual_axes", "manual_axes", "axis_names"):
+        if key in params:
+            return frozenset(params[key])
+    raise KeyError(f"shard_map's manual axes: none of newly_manual_axes, manual_axes, axis_names in {sorted(params)}")
+
+
 def literal_type() -> type:
     """The class of a literal operand in a jaxpr (``jax.extend.core.Literal``)."""
     from jax.extend.core import Literal

@@ -26,6 +26,19 @@ def test_scan_counts_reads_the_consts_and_carries_of_a_scan_equation():
     assert _compat.scan_counts(eqn.params) == (1, 2)  # w closed over; two carries (both change: not forwarded)
 
 
+def test_shard_map_manual_axes_are_the_axes_the_equation_makes_manual():
+    mesh = jax.make_mesh((2, 2), ("data", "stage"), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+
+        def f(x):
+            return jax.shard_map(lambda b: b * 2, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"})(x)
+
+        x = jax.device_put(jnp.ones(4), jax.sharding.NamedSharding(mesh, P("stage")))
+        jaxpr = jax.make_jaxpr(f)(x).jaxpr
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert _compat.shard_map_manual_axes(eqn.params) == frozenset({"stage"})
+
+
 def test_legacy_mesh_sees_the_old_with_mesh_form_only():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
     assert _compat.legacy_mesh() is None

@@ -21,18 +21,33 @@ from pathlib import Path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
-# (name, model, its size keywords): the MLPs at a small and at the issue's mid size, the scanned LM
+# (label, model, its size keywords, layouts): the MLPs at a small and at the issue's mid size and the scanned LM,
+# their loss meeting sharded weights in einsum (activations dominate); then the parameter-dominated scanned stack
+# and the LM with the user's jax.reshard gathers per layer, and both written for an Auto mesh (param_specs).
 SIZES = {
     "small": {"d": 64, "h": 256, "rows": 1024},
     "mid": {"d": 256, "h": 1024, "rows": 8192},
+    "stack": {"d": 1024, "h": 1024, "layers": 8, "rows": 64},
 }
+ALL = ("replicated", "TP", "FSDP", "TP×FSDP")
+SHARDED = ("FSDP", "TP×FSDP")
 CASES = (
-    ("mlp_mse (mid)", "mlp_mse", SIZES["mid"]),
-    ("mlp_xent (mid)", "mlp_xent", SIZES["mid"]),
-    ("mlp_xent (small)", "mlp_xent", SIZES["small"]),
-    ("scanned LM", "lm", {}),
+    ("mlp_mse (mid)", "mlp_mse", SIZES["mid"], ALL),
+    ("mlp_xent (mid)", "mlp_xent", SIZES["mid"], ALL),
+    ("mlp_xent (small)", "mlp_xent", SIZES["small"], ALL),
+    ("scanned LM", "lm", {}, ALL),
+    ("scanned LM, reshard", "lm", {"gather": "reshard"}, SHARDED),
+    ("scanned LM, Auto", "lm", {"gather": "auto"}, SHARDED),
+    ("stack 8×1024², einsum", "stack", {**SIZES["stack"], "gather": "einsum"}, SHARDED),
+    ("stack 8×1024², reshard", "stack", {**SIZES["stack"], "gather": "reshard"}, SHARDED),
+    ("stack 8×1024², Auto", "stack", {**SIZES["stack"], "gather": "auto"}, SHARDED),
+    ("MLP 1024→4096 TP, Auto", "mlp_mse", {"d": 1024, "h": 4096, "rows": 1024, "gather": "auto"}, ("TP",)),
 )
-SMOKE_CASES = (("mlp_xent (small)", "mlp_xent", SIZES["small"]), ("scanned LM", "lm", {}))
+SMOKE_CASES = (
+    ("mlp_xent (small)", "mlp_xent", SIZES["small"], ALL),
+    ("scanned LM", "lm", {}, ALL),
+    ("stack, reshard (small)", "stack", {"d": 128, "h": 256, "layers": 4, "rows": 32, "gather": "reshard"}, SHARDED),
+)
 
 
 def main(argv=None) -> int:
@@ -41,8 +56,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="folder for README.md and results.json")
     parser.add_argument("--time-steps", type=int, default=3, help="steps per timed block (0: no wall time)")
     parser.add_argument(
-        "--models", nargs="+", choices=sorted({name for _, name, _ in CASES}), help="only these models' rows"
+        "--models", nargs="+", choices=sorted({label for label, *_ in CASES}), help="only these rows (by label)"
     )
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: the process's CPU time")
     args = parser.parse_args(argv)
     if args.models and (args.out is None or args.out.resolve() == HERE):
         parser.error("--models writes a partial table: give --out a folder other than benchmarks/gspmd")
@@ -50,18 +66,22 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+
     from benchmarks.gspmd import cost, models
 
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    explicit = jax.make_mesh((4, 2), ("data", "model"))
+    auto = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     cases, ks, rounds, steps = (SMOKE_CASES, (1,), 1, 0) if args.smoke else (CASES, (1, 2), 3, args.time_steps)
-    cases = [case for case in cases if not args.models or case[1] in args.models]
+    cases = [case for case in cases if not args.models or case[0] in args.models]
     start = time.perf_counter()
     rows = []
-    for label, name, sizes in cases:
-        for layout in models.LAYOUTS:
+    for label, name, sizes, layouts in cases:
+        for layout in layouts:
             for k in ks:
                 model = models.build(name, layout, **sizes)
-                row = cost.measure(model, k, mesh=mesh, rounds=rounds, time_steps=steps)
+                mesh = auto if model.auto else explicit
+                row = cost.measure(model, k, mesh=mesh, rounds=rounds, time_steps=steps, clock=args.clock)
                 row.update(model=label, layout=layout, k=k, gates=cost.gates(row))
                 rows.append(row)
                 failed = [g for g, ok in row["gates"].items() if not ok]
@@ -74,9 +94,11 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(rows, indent=1, default=float))
     command = "python -m benchmarks.gspmd" + (" --smoke" if args.smoke else "")
     if args.models:
-        command += f" --models {' '.join(args.models)}"
+        command += " --models " + " ".join(repr(m) for m in args.models)
     if args.time_steps != 3:
         command += f" --time-steps {args.time_steps}"
+    if args.clock != "wall":
+        command += f" --clock {args.clock}"
     if args.out is not None:
         command += f" --out {args.out}"
     (out / "README.md").write_text(report(rows, command, wall, jax.__version__, kept_reading(out / "README.md")))
@@ -99,7 +121,8 @@ def report(rows, command: str, wall_s: float, jax_version: str, reading: str = "
     lines = [
         "# GSPMD drop-in: cost against the user's own step",
         "",
-        f"Command: `{command}` (JAX {jax_version}, 8 CPU devices as data 4 × model 2, Explicit axes; "
+        f"Command: `{command}` (JAX {jax_version}, 8 CPU devices as data 4 × model 2, Explicit axes, the Auto rows "
+        "on a mesh of Auto axes with the parameters' specs passed as `param_specs`; "
         f"{wall_s / 60:.0f} min on {os.cpu_count()} CPU cores). The module docstring of `cost.py` says what each "
         "column measures.",
         "",

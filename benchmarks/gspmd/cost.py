@@ -28,6 +28,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import inspect  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -91,8 +92,10 @@ def make_step(variant: str, model: models.Model, k: int, shards: int = 4):
         tx = optax.sgd(0.1, momentum=0.9)
     else:
         tx = optax_adascale.adascale_sgd(0.1, momentum=0.9)
-    specs = model.specs if model.auto else None
-    grad_fn = optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k, param_specs=specs)
+    # param_specs (0.4) keeps an Auto mesh's layout; an older optax_adascale (a "before" run) has no such keyword
+    takes_specs = "param_specs" in inspect.signature(optax_adascale.value_and_grad).parameters
+    specs = {"param_specs": model.specs} if model.auto and takes_specs else {}
+    grad_fn = optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k, **specs)
     users = user_value_and_grad(loss, k, shards, model.auto)
     n = shards * k
 
@@ -118,7 +121,12 @@ def _memory(compiled) -> int:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def measure(model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: int = 0) -> dict[str, Any]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def measure(
+    model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: int = 0, clock: str = "wall"
+) -> dict[str, Any]:
     """Compile the three variants (alternately, ``rounds`` times) and read their facts; time ``time_steps``."""
     shards = mesh.shape["data"]
     with jax.set_mesh(mesh):
@@ -158,12 +166,13 @@ def measure(model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: i
             out[v]["memory_out_shardings"] = _memory(c2)
         out["allowance"] = model.hoisted_bytes(k)
         if time_steps:
-            out["wall"] = _time(model, k, params, batch, time_steps, shards)
+            out["wall"] = _time(model, k, params, batch, time_steps, shards, clock=CLOCKS[clock])
     return out
 
 
-def _time(model, k, params, batch, steps: int, shards: int = 4, rounds: int = 7) -> dict[str, float]:
-    """Alternated timed blocks of ``steps`` steps (drop-in, same-opt); the median of the per-round ratios."""
+def _time(model, k, params, batch, steps: int, shards: int = 4, rounds: int = 7, clock=time.perf_counter):
+    """Alternated timed blocks of ``steps`` steps (drop-in, same-opt); the median of the per-round ratios. ``clock``:
+    the wall clock, or the process's CPU time (``time.process_time``) on a host shared with other work."""
     runners = {}
     for v in ("drop-in", "same-opt"):
         step, tx = make_step(v, model, k, shards)
@@ -175,11 +184,11 @@ def _time(model, k, params, batch, steps: int, shards: int = 4, rounds: int = 7)
     for _ in range(rounds):
         for v, (f, state) in runners.items():
             p, s = params, state
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(steps):
                 p, s, _ = f(p, s, *batch)
             jax.block_until_ready(p)
-            times[v].append(time.perf_counter() - t0)
+            times[v].append(clock() - t0)
     ratios = np.asarray(times["drop-in"]) / np.asarray(times["same-opt"])
     return {"median": float(np.median(ratios)), "min": float(ratios.min()), "max": float(ratios.max())}
 

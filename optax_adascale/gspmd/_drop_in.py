@@ -248,9 +248,12 @@ def _global(
     leaves, treedef = jax.tree.flatten(params)
     info = [_leaf(layout, p) for p in leaves]
     _check_batch_sharded(layout, args)
-    data = frozenset(layout.data)
+    layout = layout.with_batch(args)
     fsdp = tuple(i for i, leaf in enumerate(info) if leaf.fsdp)
-    cast = [p if leaf.fsdp else jax.reshard(p, P(*leaf.spec.partitions, reduced=data)) for p, leaf in zip(leaves, info)]
+    cast = [
+        p if leaf.fsdp else jax.reshard(p, P(*leaf.spec.partitions, reduced=frozenset(layout.data)))
+        for p, leaf in zip(leaves, info, strict=True)
+    ]
     loss = _rewrite.Probed(loss_fn, treedef, fsdp, layout, convert, has_aux, trace)
     split = _split.Split.of(layout, args, n_state)
     loss.prepare(leaves, args if layout.k == 1 else split.first_avals())
@@ -260,7 +263,8 @@ def _global(
         """One (micro-)batch: value, aux, partial gradients (probed FSDP leaves reduce-scattered), ‖·‖² arrays."""
         value, aux, partials, probe_sq = loss(entry, batch)
         own = [i for i in range(len(partials)) if i not in probe_sq]
-        local = _layout.local_sqs(layout, [(partials[i], _layout.partial_spec(partials[i]), True) for i in own])
+        samples = [_layout.data_partial(layout, partials[i]) for i in own]
+        local = _layout.local_sqs(layout, [(g, _layout.partial_spec(g), True) for g in samples])
         if probe_sq:  # leaf order: the probed leaves' arrays in their places
             rows = {i: local[j] for j, i in enumerate(own)} | dict(probe_sq)
             local = jnp.stack([rows[i] for i in range(len(partials))])

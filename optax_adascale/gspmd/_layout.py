@@ -92,6 +92,10 @@ class Layout:
       shards: data shards, ``∏`` of the data axes' sizes.
       k: micro-batches per shard.
       mesh: the concrete mesh when passed as ``mesh=`` (else ``None``: the context's).
+      extra: mesh axes the batch is split over besides the data axes (a sequence axis; HSDP's ``fsdp`` when
+        ``data_axes`` names ``data`` alone). A parameter's copy is ``reduced`` over every axis its rows are split
+        over (:attr:`rows`), so its partials are ``unreduced`` over them; the samples are the data shards, whose
+        partials sum those over the extra axes (:func:`data_partial`).
     """
 
     axis_names: tuple[str, ...]
@@ -99,6 +103,7 @@ class Layout:
     data: tuple[str, ...]
     k: int
     mesh: Any = None
+    extra: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, mesh: Any, names: tuple[str, ...], k: int, given: Any = None) -> Layout:
@@ -128,6 +133,58 @@ class Layout:
     def mesh_spec(self) -> P:
         """The spec of a mesh-shaped array of per-device values: one dimension per mesh axis."""
         return P(*self.axis_names)
+
+    @property
+    def rows(self) -> frozenset[str]:
+        """Every mesh axis the batch's rows are split over: the data axes and :attr:`extra`."""
+        return frozenset(self.data) | frozenset(self.extra)
+
+    def with_batch(self, args: Any) -> Layout:
+        """This layout with :attr:`extra` read off the batch: the axes its leaves (those sharded over the data
+        axes on their first dimension) are split over besides the data axes."""
+        data = set(self.data)
+        extra: set[str] = set()
+        for x in jax.tree.leaves(args):
+            if hasattr(x, "shape") and jnp.ndim(x) and data <= set(spec_axes(partitions(x)[0])):
+                extra |= {a for e in partitions(x) for a in spec_axes(e)}
+        ordered = tuple(a for a in self.axis_names if a in extra - data and self.size(a) > 1)
+        return dataclasses.replace(self, extra=ordered)
+
+
+def data_partial(layout: Layout, u: Any) -> Any:
+    """A partial ``unreduced`` over the data axes and :attr:`Layout.extra`: summed over the extra axes, so that each
+    data shard's partial (its sample) is what each device holds."""
+    over = unreduced_axes(u)
+    if not over & frozenset(layout.extra):
+        return u
+    return jax.reshard(u, P(*partitions(u), unreduced=over & frozenset(layout.data)))
+
+
+def spread_partial(layout: Layout, u: Any, like_reduced: frozenset[str]) -> Any:
+    """A data-shard partial (``unreduced`` over the data axes) as the cotangent of a value ``reduced`` over
+    ``like_reduced`` (some of :attr:`Layout.extra` too): the same sum, held by index 0 of the extra axes."""
+    return fill_partial(layout, u, like_reduced & frozenset(layout.extra))
+
+
+def fill_partial(layout: Layout, u: Any, axes: frozenset[str]) -> Any:
+    """``u`` ``unreduced`` over ``axes`` too, with the same sum: held by index 0 along them, zeros elsewhere."""
+    axes = axes - unreduced_axes(u)
+    if not axes:
+        return u
+    parts = partitions(u)
+    first = tuple(axes)
+
+    def body(b):
+        keep = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in first]))
+        return jnp.where(keep, b, jnp.zeros_like(b))
+
+    return jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=P(*parts, unreduced=unreduced_axes(u)),
+        out_specs=P(*parts, unreduced=unreduced_axes(u) | axes),
+        check_vma=False,
+    )(u)
 
 
 def specs_like(given: Any, tree: Any, layout: Layout, name: str = "param_specs") -> list[P]:

@@ -15,10 +15,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd import _layout, _rows
 from optax_adascale.gspmd._layout import Layout
 
 CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -34,23 +35,99 @@ def local(interp: Any, eqn, invals):
     data = interp.data
     red = [bool(_layout.reduced_axes(x)) for x in invals]
     mixing = any(not r and data & _layout.axes_of(x) for x, r in zip(invals, red, strict=True))
+    if mixing:  # each shard's rows alone must give the equation's own result: nothing may mix rows
+        rows = [_row_dims(x, data) if hasattr(x, "shape") and not r else frozenset() for x, r in zip(invals, red)]
+        if _rows.has_subjaxprs(eqn):
+            raise ValueError(_opaque_call(eqn))
+        mixed = _rows.equation_coupling(eqn, rows)
+        if mixed:
+            raise ValueError(_not_local(eqn, mixed))
     plain_out = interp.bind(eqn, [_layout.plain(x) if r else x for x, r in zip(invals, red, strict=True)])
     outs = list(plain_out) if eqn.primitive.multiple_results else [plain_out]
     if mixing and any(isinstance(o, jax.Array) and jnp.ndim(o) and not data <= _layout.axes_of(o) for o in outs):
-        raise ValueError(_not_local(eqn))
+        raise ValueError(_not_local(eqn, "its output is not sharded over the data axes"))
     if not any(r and jnp.issubdtype(x.dtype, jnp.inexact) for x, r in zip(invals, red, strict=True)):
         return plain_out
     result = _LocalVJP(interp, eqn, red, keep_reduced=not mixing)(*invals)
     return result if eqn.primitive.multiple_results else result[0]
 
 
-def _not_local(eqn) -> str:
+def keeps_copies(interp: Any, eqn, invals, out) -> bool:
+    """Whether JAX's own rules keep each data shard's copy of the parameters apart through ``eqn``, an equation
+    with a ``reduced`` input. Through an equation that meets the batch (an operand sharded over the data axes)
+    they do: its transpose contracts the rows into an ``unreduced`` partial. Through one of the parameters alone
+    (and constants: ``W + A @ B``, ``W Wᵀ``) the output must stay ``reduced`` and JAX's VJP must take the
+    ``unreduced`` cotangent it then gets; JAX types a matmul of two reduced values plain, and has no transpose of a
+    linear map of an unreduced value whose other operand is not sharded over the data axes. Found here on abstract
+    values, before the backward pass is built."""
+    data = interp.data
+    if any(data & _layout.axes_of(x) for x in invals if hasattr(x, "shape") and not _layout.reduced_axes(x)):
+        return True
+    outs = list(out) if eqn.primitive.multiple_results else [out]
+    inexact = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    if any(inexact(o) and not _layout.reduced_axes(o) & data for o in outs):
+        return False
+    return backward_ok(interp, lambda *a: interp.bind(eqn, list(a)), invals, out, eqn.primitive.multiple_results)
+
+
+def backward_ok(interp: Any, fn, invals, out, multiple: bool) -> bool:
+    """Whether JAX builds the VJP of ``fn`` at ``invals`` for the cotangents its outputs ``out`` get (``unreduced``
+    where an output is ``reduced``): traced on abstract values, nothing computed."""
+    outs = list(out) if multiple else [out]
+    cts = [_partial_aval(o, interp.rows) for o in outs]
+
+    def backward(xs, cts):
+        _, f = jax.vjp(fn, *xs)
+        return f(cts if multiple else cts[0])
+
+    try:
+        jax.eval_shape(backward, list(invals), cts)
+    except Exception:  # noqa: BLE001 - JAX's transpose has no rule for an unreduced cotangent here
+        return False
+    return True
+
+
+def _partial_aval(x: Any, data: frozenset[str]) -> Any:
+    """The cotangent type of ``x``: ``unreduced`` where ``x`` is ``reduced`` (over the data axes)."""
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.ShapeDtypeStruct(jnp.shape(x), jax.dtypes.float0) if hasattr(x, "dtype") else x
+    aval = jax.typeof(x)
+    reduced = _layout.reduced_axes(x)
+    spec = P(*_layout.partitions(x), unreduced=reduced & data, reduced=reduced - data)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(aval.sharding.mesh, spec))
+
+
+def _row_dims(x: Any, data: frozenset[str]) -> frozenset[int]:
+    """The dimensions of ``x`` split over the data axes: they index rows of the batch."""
+    return frozenset(d for d, e in enumerate(_layout.partitions(x)) if data & set(_layout.spec_axes(e)))
+
+
+def _not_local(eqn, why: str) -> str:
     return (
         f"value_and_grad(data_axes=...) cannot take per-copy statistics through the operation "
         f"'{eqn.primitive.name}' of loss_fn: JAX has no rule for it on parameters typed reduced over the data axes, "
-        "and it is not local to the rows (its output is not sharded over the data axes where an input is), so no "
-        "rule follows from the types. Build the mesh with Explicit axes and write this step of the loss so that a "
-        "parameter meets the batch in a row-local operation (a matmul, an elementwise op, an embedding lookup)."
+        f"and it is not local to the rows ({why}), so running it on each data shard's rows would change it. Write "
+        "this step of the loss so that a parameter meets the batch in a row-local operation (a matmul, an "
+        "elementwise op, an embedding lookup), or keep the parameter out of the step that mixes the rows."
+    )
+
+
+def _opaque_call(eqn) -> str:
+    if eqn.primitive.name == "shard_map":
+        return (
+            "value_and_grad(data_axes=...): loss_fn passes a parameter into a jax.shard_map that is manual over other "
+            "axes than the data axes (a pipeline stage or model axis) while the batch's rows stay sharded over the "
+            "data axes inside it. JAX takes a parameter's per-copy (reduced) type into a shard_map only when it is "
+            "manual over every axis, and the shard_map's body is traced for the whole batch, so it cannot run on each "
+            "data shard's rows either. Make the shard_map manual over the data axes too (add them to axis_names and "
+            "shard the batch's rows over them in in_specs/out_specs): each device then gets its own copy of the "
+            "parameter and the statistics are exact."
+        )
+    return (
+        f"value_and_grad(data_axes=...): loss_fn applies '{eqn.primitive.name}' to a parameter and to the batch's rows "
+        "together, JAX has no rule for its parameter on per-copy (reduced) types, and its inner computation is traced "
+        "for the whole batch, so it cannot run on each data shard's rows. Apply it to the rows or to the parameter "
+        "alone, or build that step from JAX operations."
     )
 
 
@@ -72,7 +149,7 @@ class _LocalVJP:
         outs = self.interp.bind(self.eqn, plain)
         outs = list(outs) if self.eqn.primitive.multiple_results else [outs]
         if self.keep_reduced:
-            outs = [_as_reduced(o, self.interp.data) for o in outs]
+            outs = [_as_reduced(o, self.interp.rows) for o in outs]
         return tuple(outs), tuple(plain)
 
     def _vjp_fn(self):
@@ -94,6 +171,7 @@ class _LocalVJP:
     def __call__(self, *invals):
         layout = self.interp.layout
         vjp = self._vjp_fn()
+        reduced_over = [_layout.reduced_axes(x) for x in invals]
 
         @jax.custom_vjp
         def f(*xs):
@@ -104,17 +182,83 @@ class _LocalVJP:
 
         def bwd(plain, cts):
             try:
-                return tuple(_per_shard_vjp(layout, vjp, list(plain), list(cts), self.red))
+                cts = [_layout.data_partial(layout, c) if hasattr(c, "shape") else c for c in cts]
+                grads = _per_shard_vjp(layout, vjp, list(plain), cts, self.red)
+                return tuple(
+                    _layout.spread_partial(layout, g, over) if r else g
+                    for g, r, over in zip(grads, self.red, reduced_over, strict=True)
+                )
             except (ValueError, TypeError) as err:
                 if self.eqn.primitive.name not in CUSTOM:
                     raise
-                raise ValueError(_custom_refusal()) from err
+                raise ValueError(custom_refusal()) from err
 
         f.defvjp(fwd, bwd)
         return list(f(*invals))
 
 
 def _per_shard_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
+    try:
+        return _per_device_vjp(layout, vjp, plain, cts, red)
+    except Exception:  # noqa: BLE001 - a block not valid on its own (an op with sharding parameters): vmap below
+        return _per_shard_vmap(layout, vjp, plain, cts, red)
+
+
+def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
+    """The VJP on each device's own rows, in a ``shard_map`` manual over the data axes (no collective: each data
+    shard's rows, partial cotangent and parameter copy are on its devices). Operands split over a model axis too
+    would be gathered over it at the ``shard_map``: those take the ``vmap`` path."""
+    data, entry = frozenset(layout.data), layout.data_spec
+    if any(_layout.axes_of(x) - data for x in [*plain, *cts] if hasattr(x, "shape")):
+        raise ValueError("an operand split over a model axis: the shard_map would gather it (vmap instead)")
+
+    def row_spec(x: Any) -> P | None:
+        if not hasattr(x, "shape") or not jnp.ndim(x):
+            return None
+        parts = _layout.partitions(x)
+        if not any(data & set(_layout.spec_axes(e)) for e in parts):
+            return None
+        if any(data & set(_layout.spec_axes(e)) and tuple(_layout.spec_axes(e)) != layout.data for e in parts):
+            raise ValueError("rows split over more than the data axes in one dimension")
+        return P(*(entry if data & set(_layout.spec_axes(e)) else None for e in parts))
+
+    args, specs, kinds = [], [], []
+    for x in [*plain, *cts]:
+        if hasattr(x, "shape") and _layout.unreduced_axes(x) & data:
+            args.append(_stack(layout, x))
+            specs.append(P(entry))
+            kinds.append("partial")
+        elif (spec := row_spec(x)) is not None:
+            args.append(x)
+            specs.append(spec)
+            kinds.append("rows")
+        else:
+            args.append(x)
+            specs.append(P())
+            kinds.append("whole")
+    out_specs = [row_spec(x) if k == "rows" and not r else P(entry) for x, k, r in zip(plain, kinds, red)]
+    n = len(plain)
+
+    def body(*blocks):
+        local = [b[0] if k == "partial" else b for b, k in zip(blocks, kinds, strict=True)]
+        grads = vjp(local[:n], local[n:])
+        return [g if spec != P(entry) else g[None] for g, spec in zip(grads, out_specs, strict=True)]
+
+    grads = jax.shard_map(
+        body, mesh=layout.mesh, in_specs=tuple(specs), out_specs=out_specs, axis_names=data, check_vma=False
+    )(*args)
+    out = []
+    for g, x, r, spec in zip(grads, plain, red, out_specs, strict=True):
+        if r:
+            out.append(_unstack(layout, g, x))  # a reduced input: each device's partial
+        elif spec == P(entry):
+            out.append(jnp.sum(g, axis=0))  # a replicated input: the reduction JAX's own transpose would do
+        else:
+            out.append(g)  # a data-sharded input: its rows, in place
+    return out
+
+
+def _per_shard_vmap(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
     res = [_Stacked.of(layout, x) for x in plain]
     cot = [_Stacked.of(layout, c) for c in cts]
     axes = [0 if r.stacked else None for r in res]
@@ -126,8 +270,9 @@ def _per_shard_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: l
     args = ([r.value for r in res], [c.value for c in cot])
     try:
         grads = per_shard(*args)
-    except (ValueError, TypeError):  # one shard's block is not Explicit-valid on its own (a gather): Auto inside
-        out_specs = [P(layout.data_spec, *_auto_free(x)) for x in plain]
+    except Exception:  # noqa: BLE001 - one shard's block is not Explicit-valid on its own (a gather): Auto inside
+        data = frozenset(layout.data)
+        out_specs = [P(layout.data_spec, *(_layout.strip(e, data) for e in _layout.partitions(x))) for x in plain]
         grads = jax.sharding.auto_axes(per_shard, out_sharding=out_specs)(*args)
     out = []
     for g, x, r, rs in zip(grads, plain, red, res, strict=True):
@@ -140,7 +285,7 @@ def _per_shard_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: l
     return out
 
 
-def _custom_refusal() -> str:
+def custom_refusal() -> str:
     return (
         "value_and_grad(data_axes=...): loss_fn applies a jax.custom_vjp / jax.custom_jvp function to a parameter "
         "sharded over the data axes (FSDP) before the parameter is gathered; the per-copy statistics need the rule "
@@ -148,11 +293,6 @@ def _custom_refusal() -> str:
         "first (jax.reshard(w, P(...)) without the data axes) and apply the function to the result, or keep that "
         "parameter replicated over the data axes."
     )
-
-
-def _auto_free(x: Any) -> tuple[Any, ...]:
-    """``x``'s partitions without the data axes (the stacked leading axis carries them)."""
-    return tuple(None for _ in _layout.partitions(x))
 
 
 @dataclasses.dataclass
@@ -197,6 +337,38 @@ class _Stacked:
         return y.reshape(shape, out_sharding=P(*_layout.partitions(self.like)))
 
 
+def copies(layout: Layout, x: Any, axes: frozenset[str]) -> tuple[Any, Any]:
+    """A ``reduced`` value as its copies stacked on a new leading axis split over ``axes`` (one block per device
+    along them), and that axis's spec entry. The cotangent of the stack, each device's own, comes back as the
+    value's ``unreduced`` partial."""
+    order = tuple(a for a in layout.axis_names if a in axes)
+    entry = order[0] if len(order) == 1 else order
+    n = int(np.prod([layout.size(a) for a in order]))
+    parts = _layout.partitions(x)
+    reduced = _layout.reduced_axes(x)
+
+    @jax.custom_vjp
+    def stack(v):
+        plain = _layout.plain(v)
+        return jax.reshard(jnp.broadcast_to(plain[None], (n, *plain.shape)), P(entry, *parts))
+
+    def fwd(v):
+        return stack(v), None
+
+    def bwd(_, ct):
+        u = jax.shard_map(
+            lambda b: b[0],
+            mesh=layout.mesh,
+            in_specs=P(entry, *parts),
+            out_specs=P(*parts, unreduced=frozenset(order)),
+            check_vma=False,
+        )(ct)
+        return (_layout.fill_partial(layout, u, reduced - frozenset(order)),)
+
+    stack.defvjp(fwd, bwd)
+    return stack(x), entry
+
+
 def _stack(layout: Layout, u: Any) -> Any:
     """An ``unreduced`` array as ``(shards, *shape)``, row ``i`` data shard ``i``'s partial."""
     spec_out = P(layout.data_spec, *(_layout.strip(e, frozenset(layout.data)) for e in _layout.partitions(u)))
@@ -215,8 +387,8 @@ def _unstack(layout: Layout, st: Any, like: Any) -> Any:
     )(st)
 
 
-def _as_reduced(x: Any, data: frozenset[str]) -> Any:
-    """A replicated floating output as ``reduced`` over the data axes (its cotangent stays each shard's)."""
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and not data & _layout.axes_of(x):
-        return jax.reshard(x, P(*_layout.partitions(x), reduced=data))
+def _as_reduced(x: Any, rows: frozenset[str]) -> Any:
+    """A floating output replicated over the row axes as ``reduced`` over them (its cotangent stays each copy's)."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and not rows & _layout.axes_of(x):
+        return jax.reshard(x, P(*_layout.partitions(x), reduced=rows))
     return x

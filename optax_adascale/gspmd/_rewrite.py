@@ -1,21 +1,11 @@
-"""The loss as the drop-in differentiates it: its jaxpr re-evaluated with a rule table.
+"""The loss as the drop-in differentiates it: traced once, re-evaluated by the interpreter, probed.
 
-:class:`Probed` traces the loss once (with the parameters as the user passes them) and re-evaluates
-its jaxpr equation by equation (:class:`Interpreter`), one rule per primitive (``RULES``):
-
-* ``reshard`` of a value derived from a parameter sharded over the data axes (FSDP), that gathers it
-  over them (where: ``_plan``): the gather returns a ``reduced`` copy and passes a *probe*, whose
-  backward pass records each device's ``‖partial‖²`` before the gather's transpose reduce-scatters it.
-  Inside a scanned stack of layers the probe is a constant of the loop body, so its per-layer records
-  add up.
-* ``reshard`` of a ``reduced`` value keeps it ``reduced``: a reshard to a plain type would sum its
-  cotangent onto one device.
-* ``sharding_constraint``, and a cast to the Auto mesh, on a mesh whose Auto axes were made Explicit for
-  the loss: those axes leave the spec (the types carry them now).
-* ``shard_map`` taking a ``reduced`` value: its ``in_specs`` say so.
-* any equation JAX has no ``reduced`` rule for (it raises), and ``custom_jvp``/``custom_vjp`` calls on
-  ``reduced`` values: the rule JAX's types imply, per data shard (``_local``).
-* ``jit`` is inlined; ``scan``, ``while``, ``cond`` and ``remat`` are re-made around re-evaluated bodies.
+:class:`Probed` traces the loss once (with the parameters as the user passes them) and re-evaluates its jaxpr
+with :class:`~optax_adascale.gspmd._interpreter.Interpreter`. An FSDP leaf's gather passes a *probe*
+(``_interpreter._probe``), whose backward pass records each device's ``‖partial‖²`` before the gather's transpose
+reduce-scatters it; inside a scanned stack of layers the probe is a constant of the loop body, so its per-layer
+records add up. A loss value typed ``reduced`` (a term of the parameters alone) is shared equally by the copies
+(:func:`_shared`).
 """
 
 from __future__ import annotations
@@ -25,12 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _layout, _local, _plan
+from optax_adascale.gspmd import _layout, _plan
+from optax_adascale.gspmd._interpreter import Interpreter
 from optax_adascale.gspmd._layout import Layout
 
 # --------------------------------------------------------------------------- the loss's value
@@ -44,7 +33,7 @@ def _shared(layout: Layout, value: Any) -> Any:
     JAX seeds a ``reduced`` output's gradient differently with and without ``jax.checkpoint`` in the
     program; this rule does not depend on it.
     """
-    reduced = _layout.reduced_axes(value) & frozenset(layout.data)
+    reduced = _layout.reduced_axes(value) & layout.rows
     if not reduced:
         return value
     n = float(np.prod([layout.size(a) for a in reduced]))
@@ -69,27 +58,6 @@ def _shared(layout: Layout, value: Any) -> Any:
 
     share.defvjp(fwd, bwd)
     return share(value)
-
-
-# --------------------------------------------------------------------------- the probe
-
-
-def _probe(layout: Layout, value: Any, slot: Any) -> Any:
-    """``value`` unchanged; the cotangent of ``slot`` (a mesh-shaped zero array) becomes each device's local
-    ``‖ct‖²`` of ``value``'s unreduced cotangent, masked to count every distinct piece once."""
-
-    @jax.custom_vjp
-    def probe(v, s):
-        return v
-
-    def fwd(v, s):
-        return v, None
-
-    def bwd(_, ct):
-        return ct, _layout.local_sq(layout, ct, _layout.partial_spec(ct), True)
-
-    probe.defvjp(fwd, bwd)
-    return probe(value, slot)
 
 
 # --------------------------------------------------------------------------- the interpreter
@@ -174,328 +142,3 @@ class Probed:
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
     aval = jax.typeof(x)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding, weak_type=aval.weak_type)
-
-
-class Interpreter:
-    """Evaluate a jaxpr equation by equation with the rules of this module (see the module docstring)."""
-
-    def __init__(self, layout: Layout, convert: frozenset[str], probes: dict[int, Any]):
-        self.layout, self.convert, self.probes = layout, convert, probes
-        self.data = frozenset(layout.data)
-
-    # ------------------------------------------------------------------ the loop
-
-    def eval(self, jaxpr, consts, args, lineage: dict[Any, frozenset] | None = None):
-        literal = _compat.literal_type()
-        env: dict[Any, Any] = {}
-        lin: dict[Any, frozenset] = dict(lineage or {})
-        gathered: dict[Any, Any] = {}
-
-        def read(v):
-            return self.constant(v.val) if isinstance(v, literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = self.constant(x)
-        for v, x in zip(jaxpr.invars, args, strict=True):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            ins_lin = [frozenset() if isinstance(v, literal) else lin.get(v, frozenset()) for v in eqn.invars]
-            name = eqn.primitive.name
-            if not (name in _plan.LOOPS or name in _plan.CALLS or _plan.is_remat(name)):
-                axes_of = lambda _, i, xs=invals: _layout.axes_of(xs[i])  # noqa: E731 - the values' own types
-                for i in _plan.gathered_inputs(eqn, [bool(x) for x in ins_lin], self.data, axes_of):
-                    v = eqn.invars[i]
-                    if v not in gathered:
-                        gathered[v] = self.gather(invals[i], ins_lin[i])
-                    invals[i] = gathered[v]
-                    ins_lin[i] = frozenset()
-            ans = self.equation(eqn, invals, ins_lin)
-            outs = ans if eqn.primitive.multiple_results else [ans]
-            pure = _plan.pure_leaves(eqn, ins_lin, literal)
-            for v, x in zip(eqn.outvars, outs, strict=True):
-                env[v] = x
-                if pure:
-                    lin[v] = pure
-        return [read(v) for v in jaxpr.outvars]
-
-    def constant(self, x: Any) -> Any:
-        """A literal or captured constant; traced on the Auto mesh, its type names that mesh: re-typed here."""
-        if self.convert and not isinstance(x, jax.core.Tracer) and hasattr(x, "dtype"):
-            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a key closed over: rebuilt from its data
-                with jax.ensure_compile_time_eval():
-                    data = np.asarray(jax.random.key_data(x))
-                return jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(x))
-            return np.asarray(x)  # also JAX's typed literals (TypedNdArray), which carry the trace's mesh
-        return x
-
-    def traced_mesh(self) -> Any:
-        """The mesh the loss was traced on (its converted axes Auto again), to trace its custom rules at."""
-        auto = {a: jax.sharding.AxisType.Auto for a in self.convert}
-        return jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh().update_axis_types(auto))
-
-    def bind(self, eqn, invals, params=None):
-        params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-        if self.convert:  # traced on the Auto mesh: bind under the Explicit context, without its Auto shardings
-            params = {k: (None if _auto_sharding(v) else v) for k, v in params.items()}
-            return eqn.primitive.bind(*invals, **params)
-        with eqn.ctx.manager:
-            return eqn.primitive.bind(*invals, **params)
-
-    # ------------------------------------------------------------------ the rules
-
-    def equation(self, eqn, invals, lineage):
-        name = eqn.primitive.name
-        rule = RULES.get("remat" if _plan.is_remat(name) else name)
-        if rule is not None:
-            return rule(self, eqn, invals, lineage)
-        reduced_in = any(_layout.reduced_axes(x) for x in invals if isinstance(x, jax.Array) or hasattr(x, "aval"))
-        if name in _local.CUSTOM:
-            return self.custom(eqn, invals, reduced_in)
-        try:
-            return self.bind(eqn, invals)
-        except Exception:  # noqa: BLE001 - JAX has no reduced rule for this equation: the rule its types imply
-            if self.convert:
-                decided = self.gspmd_decision(eqn, invals, reduced_in)
-                if decided is not None:
-                    return decided[0]
-            if not reduced_in:
-                raise
-            return _local.local(self, eqn, invals)
-
-    def gspmd_decision(self, eqn, invals, reduced_in: bool):
-        """A loss written for Auto axes, re-evaluated on Explicit ones, where Explicit types ask for a decision GSPMD
-        makes by itself: ``(outputs,)``, or ``None`` if none of GSPMD's applies. In order: same-shape operands
-        sharded alike (``select_n``); a contraction over a dimension both operands shard over a model axis sums
-        its partial products (the output sharded like the operands' free dimensions); any other equation runs on
-        operands gathered off the model axes (the data axes kept: the batch stays the batch); an embedding
-        lookup is sharded like its indices; and an equation of activations alone, failing that, on operands
-        gathered off every axis (across the rows, a sort: the rows gathered, as the Explicit way writes it)."""
-        tries = []
-        if not reduced_in:
-            aligned = _aligned(invals)
-            if aligned is not None:
-                tries.append(lambda: self.bind(eqn, aligned))
-        if eqn.primitive.name == "dot_general":
-            params = dict(eqn.params, out_sharding=self.contraction_sharding(eqn, invals))
-            tries.append(lambda: self.bind(eqn, invals, params))
-        every = frozenset(self.layout.axis_names)
-        model = every - self.data
-        if any(model & _layout.axes_of(x) for x in invals):
-            tries.append(lambda: self.bind(eqn, [_off_axes(x, model) for x in invals]))
-        if eqn.primitive.name == "gather":
-            tries.append(lambda: self.gather_indexed(eqn, invals))
-        if not reduced_in and any(self.data & _layout.axes_of(x) for x in invals):  # across the rows (sort)
-            tries.append(lambda: self.bind(eqn, [_off_axes(x, every) for x in invals]))
-        for attempt in tries:
-            try:
-                return (attempt(),)
-            except Exception:  # noqa: BLE001 - not this decision: the next one
-                continue
-        return None
-
-    def contraction_sharding(self, eqn, invals) -> NamedSharding:
-        """GSPMD's output sharding for a ``dot_general``: batch and free dimensions keep their operands' specs,
-        the contracted axes (and any axis already used) are dropped: the partial products are summed."""
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        lhs, rhs = (_layout.partitions(x) for x in invals)
-        contracted = {a for d in lc for a in _layout.spec_axes(lhs[d])} | {
-            a for d in rc for a in _layout.spec_axes(rhs[d])
-        }
-        entries = [lhs[d] for d in lb]
-        entries += [lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb]
-        entries += [rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb]
-        used: set[str] = set()
-        out = []
-        for entry in entries:
-            kept = tuple(a for a in _layout.spec_axes(entry) if a not in contracted and a not in used)
-            used.update(kept)
-            out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        return NamedSharding(jax.sharding.get_abstract_mesh(), P(*out))
-
-    def call(self, eqn, invals, lineage):
-        jaxpr = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        inner = getattr(jaxpr, "jaxpr", jaxpr)
-        consts = getattr(jaxpr, "consts", ())
-        return self.eval(inner, consts, invals, _inner_lineage(inner, lineage))
-
-    def custom(self, eqn, invals, reduced_in: bool):
-        """A ``custom_jvp``/``custom_vjp`` call: on ``reduced`` values the implied local rule; traced on Auto
-        axes, its jaxprs re-evaluated here too; else bound as traced."""
-        if reduced_in:
-            return _local.local(self, eqn, invals)
-        if not self.convert:
-            return self.bind(eqn, invals)
-        params = _compat.custom_call_bind_params(
-            eqn,
-            lambda j, c, a: self.eval(j, [self.constant(x) for x in c], a),
-            self.traced_mesh,
-            bwd_auto_axes=tuple(sorted(self.convert)),
-        )
-        return eqn.primitive.bind(*invals, **params)
-
-    def gather(self, x: Any, lineage: frozenset) -> Any:
-        """An FSDP leaf's value gathered off the data axes as a ``reduced`` copy, through its probe."""
-        parts = tuple(_layout.strip(e, self.data) for e in _layout.partitions(x))
-        out = jax.reshard(x, P(*parts, reduced=self.data | _layout.reduced_axes(x)))
-        for leaf in lineage:
-            if leaf in self.probes:
-                out = _probe(self.layout, out, self.probes[leaf])
-        return out
-
-    def gather_indexed(self, eqn, invals):
-        """A gather traced on Auto axes that Explicit types find ambiguous (an embedding lookup): run with the
-        converted axes Auto, its output sharded like its indices' batch dimensions (``.at[].get(out_sharding=)``)."""
-        operand, indices = invals
-        offset = set(eqn.params["dimension_numbers"].offset_dims)
-        batch = iter(_layout.partitions(indices)[:-1])
-        out_rank = len(offset) + jnp.ndim(indices) - 1
-        parts = [None if d in offset else next(batch) for d in range(out_rank)]
-        parts = [_layout.strip(e, frozenset(self.layout.axis_names) - self.convert) for e in parts]
-        fn = lambda op, idx: self.bind(eqn, [op, idx])  # noqa: E731
-        return jax.sharding.auto_axes(fn, axes=tuple(sorted(self.convert)), out_sharding=P(*parts))(operand, indices)
-
-    def reshard(self, eqn, invals, lineage):
-        (x,) = invals
-        target = eqn.params["dst_sharding"]
-        if _layout.auto_axes(target.mesh):  # a cast to Auto axes (how .at[].get(out_sharding=) gathers): as traced
-            # traced on the Auto mesh and run on the Explicit one, the cast is the hint a constraint is
-            return self._hint(x, target.spec) if self.convert else self.bind(eqn, invals)
-        reduced = _layout.reduced_axes(x)
-        if not reduced:
-            return self.bind(eqn, invals)
-        spec = target.spec
-        parts = tuple(spec.partitions) + (None,) * (jnp.ndim(x) - len(spec.partitions))
-        used = {a for e in parts for a in _layout.spec_axes(e)}  # a reduced value stays reduced where unsharded
-        return jax.reshard(x, P(*parts, reduced=reduced - used, unreduced=frozenset(spec.unreduced)))
-
-    def constraint(self, eqn, invals, lineage=None):
-        (x,) = invals
-        if not self.convert:
-            return self.bind(eqn, invals)
-        return self._hint(x, getattr(eqn.params["sharding"], "spec", None))
-
-    def _hint(self, x, spec):
-        """A sharding written for the Auto mesh, on the Explicit one: its axes not made Explicit, as a constraint."""
-        if spec is None:
-            return x
-        parts = tuple(_layout.strip(e, self.convert) for e in spec.partitions)
-        if all(p is None for p in parts):
-            return x
-        return lax.with_sharding_constraint(x, P(*parts))
-
-    def scan(self, eqn, invals, lineage):
-        params = eqn.params
-        nc, ncarry = _compat.scan_counts(params)
-        body = params["jaxpr"]
-        consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-        inner_lin = {v: lineage[i] for i, v in enumerate(body.jaxpr.invars) if lineage[i]}
-
-        def step(carry, x):
-            out = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], inner_lin)
-            return out[:ncarry], out[ncarry:]
-
-        carry, ys = lax.scan(
-            step, list(init), list(xs), length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
-        )
-        return [*carry, *ys]
-
-    def while_loop(self, eqn, invals, lineage):
-        params = eqn.params
-        cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        cond, body = params["cond_jaxpr"], params["body_jaxpr"]
-        cond_consts, body_consts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
-        return lax.while_loop(
-            lambda c: self.eval(cond.jaxpr, cond.consts, [*cond_consts, *c])[0],
-            lambda c: self.eval(body.jaxpr, body.consts, [*body_consts, *c]),
-            list(init),
-        )
-
-    def cond(self, eqn, invals, lineage):
-        branches = [
-            lambda *ops, b=b: self.eval(b.jaxpr, b.consts, list(ops), _inner_lineage(b.jaxpr, lineage[1:]))
-            for b in eqn.params["branches"]
-        ]
-        return lax.switch(invals[0], branches, *invals[1:])
-
-    def remat(self, eqn, invals, lineage):
-        params = eqn.params
-        jaxpr = params["jaxpr"]
-        inner = getattr(jaxpr, "jaxpr", jaxpr)
-        consts = getattr(jaxpr, "consts", ())
-        body = lambda *args: self.eval(inner, consts, list(args), _inner_lineage(inner, lineage))  # noqa: E731
-        return jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))(*invals)
-
-    def shard_map(self, eqn, invals, lineage=None):
-        """A ``shard_map`` in the loss: ``reduced`` inputs get ``reduced`` in specs (over its manual data axes)."""
-        if not any(_layout.reduced_axes(x) for x in invals):
-            return self.bind(eqn, invals)
-        params = eqn.params
-        manual = frozenset(params.get("manual_axes", params.get("axis_names", ())))
-        in_specs = []
-        for x, spec in zip(invals, params["in_specs"], strict=True):
-            red = _layout.reduced_axes(x)
-            in_specs.append(P(*spec.partitions, reduced=red) if red else spec)
-        body = params["jaxpr"]
-        inner = getattr(body, "jaxpr", body)
-        consts = getattr(body, "consts", ())
-        fn = lambda *args: self.eval(inner, consts, list(args))  # noqa: E731
-        out = jax.shard_map(
-            fn,
-            mesh=params["mesh"],
-            in_specs=tuple(in_specs),
-            out_specs=tuple(params["out_specs"]),
-            axis_names=manual,
-            check_vma=params.get("check_vma", params.get("check_rep", True)),
-        )(*invals)
-        return list(out)
-
-
-# The rule table: primitive name -> Interpreter method (every other equation is bound as traced, with the
-# implied local rule where JAX has no reduced rule for it). "remat" stands for every remat/checkpoint primitive.
-RULES: dict[str, Any] = {
-    **{name: Interpreter.reshard for name in _plan.GATHERS},
-    "sharding_constraint": Interpreter.constraint,
-    **{name: Interpreter.call for name in ("jit", "pjit", "closed_call", "core_call")},
-    "scan": Interpreter.scan,
-    "while": Interpreter.while_loop,
-    "cond": Interpreter.cond,
-    "remat": Interpreter.remat,
-    "shard_map": Interpreter.shard_map,
-}
-
-
-def _aligned(invals: list[Any]) -> list[Any] | None:
-    """Same-shape operands, the replicated ones resharded like the one sharded operand; ``None`` if not that case."""
-    arrays = [x for x in invals if hasattr(x, "shape") and jnp.ndim(x)]
-    shapes = {tuple(x.shape) for x in arrays}
-    specs = {_layout.partitions(x) for x in arrays if any(e is not None for e in _layout.partitions(x))}
-    if len(shapes) != 1 or len(specs) != 1:
-        return None
-    (spec,) = specs
-    return [
-        jax.reshard(x, P(*spec))
-        if hasattr(x, "shape") and jnp.ndim(x) and all(e is None for e in _layout.partitions(x))
-        else x
-        for x in invals
-    ]
-
-
-def _off_axes(x: Any, axes: frozenset[str]) -> Any:
-    """``x`` gathered off ``axes`` (its ``reduced`` axes kept); anything else as it is."""
-    if not isinstance(x, jax.Array) and not hasattr(x, "aval"):
-        return x
-    if not jnp.ndim(x) or not axes & _layout.axes_of(x):
-        return x
-    parts = tuple(_layout.strip(e, axes) for e in _layout.partitions(x))
-    return jax.reshard(x, P(*parts, reduced=_layout.reduced_axes(x)))
-
-
-def _auto_sharding(v: Any) -> bool:
-    """A sharding parameter naming a mesh with Auto axes (a loss traced on such a mesh): dropped when re-bound."""
-    mesh = getattr(v, "mesh", None)
-    return isinstance(v, NamedSharding) and mesh is not None and bool(_layout.auto_axes(mesh))
-
-
-def _inner_lineage(inner, lineage) -> dict[Any, frozenset]:
-    return {v: lineage[i] for i, v in enumerate(inner.invars) if i < len(lineage) and lineage[i]}
