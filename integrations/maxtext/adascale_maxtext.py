@@ -100,5 +100,7 @@ def per_token(diff_wrapper, config, data):
 def extra(stats: list[Any]) -> dict[str, Any]:
     """``state.apply_gradients``' keywords: ``microbatch_stats`` when AdaScale is on, of ``curr_params`` (argnum
     0, the optimizer's ``wrt``; NNX's ``Optimizer.update`` strips the Variables, ``nnx.as_pure``, itself)."""
-    return {"microbatch_stats": dataclasses.replace(s, sq_norms=s.sq_norms[0], mean_sq_norms=s.mean_sq_norms[0])
-            for s in stats}
+    if not stats:
+        return {}
+    (s,) = stats
+    return {"microbatch_stats": dataclasses.replace(s, sq_norms=s.sq_norms[0], mean_sq_norms=s.mean_sq_norms[0])}

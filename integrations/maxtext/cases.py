@@ -46,11 +46,21 @@ CASES = {
     "explicit, dropout 0.1": (["shard_mode=explicit", *FSDP8, "dropout_rate=0.1"], []),
     # Mixtral-style MoE, dense dispatch (no megablox/ragged kernels on CPU), GShard capacity with token dropping, the
     # load-balancing loss on. Auto only: MaxText 0.2.5's own step fails on an Explicit mesh with these MoE layers.
-    "auto, MoE 4 experts top-2, dense, capacity 1.25": ([
-        "shard_mode=auto", *FSDP8, "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2",
-        "base_moe_mlp_dim=128", "sparse_matmul=false", "megablox=false", "capacity_factor=1.25",
-        "load_balance_loss_weight=0.01",
-    ], []),
+    "auto, MoE 4 experts top-2, dense, capacity 1.25": (
+        [
+            "shard_mode=auto",
+            *FSDP8,
+            "decoder_block=mixtral",
+            "num_experts=4",
+            "num_experts_per_tok=2",
+            "base_moe_mlp_dim=128",
+            "sparse_matmul=false",
+            "megablox=false",
+            "capacity_factor=1.25",
+            "load_balance_loss_weight=0.01",
+        ],
+        [],
+    ),
     # LoRA adapters (rank 4) on every attention and MLP kernel, as MaxText's SFT trainer adds them (trial.py --lora):
     # train_step then trains nnx.LoRAParam alone, the frozen base weights ride in NNX's rest (state_argnum=2)
     "auto, LoRA rank 4": (["shard_mode=auto", *FSDP8, *LORA], ["--lora"]),
@@ -63,16 +73,29 @@ CHECKS = {
     "closure, auto, accumulation 2": (["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2"], ["--closure"]),
     "closure, auto, dropout 0.1 (unsafe_rbg)": (["shard_mode=auto", *FSDP8, "dropout_rate=0.1"], ["--closure"]),
     "closure, auto, dropout 0.1 (threefry)": (
-        ["shard_mode=auto", *FSDP8, "dropout_rate=0.1"], ["--closure", "--prng", "threefry2x32"]),
+        ["shard_mode=auto", *FSDP8, "dropout_rate=0.1"],
+        ["--closure", "--prng", "threefry2x32"],
+    ),
     "closure, auto, accumulation 2, dropout 0.1": (
-        ["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2", "dropout_rate=0.1"], ["--closure"]),
-    "patch, auto, dropout 0.1 (threefry)": (["shard_mode=auto", *FSDP8, "dropout_rate=0.1"], ["--prng", "threefry2x32"]),
+        ["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2", "dropout_rate=0.1"],
+        ["--closure"],
+    ),
+    "patch, auto, dropout 0.1 (threefry)": (
+        ["shard_mode=auto", *FSDP8, "dropout_rate=0.1"],
+        ["--prng", "threefry2x32"],
+    ),
     "patch, explicit, dropout 0.1 (threefry)": (
-        ["shard_mode=explicit", *FSDP8, "dropout_rate=0.1"], ["--prng", "threefry2x32"]),
+        ["shard_mode=explicit", *FSDP8, "dropout_rate=0.1"],
+        ["--prng", "threefry2x32"],
+    ),
     "patch, auto, accumulation 2, dropout 0.1": (
-        ["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2", "dropout_rate=0.1"], []),
+        ["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2", "dropout_rate=0.1"],
+        [],
+    ),
     "patch, explicit, accumulation 2, dropout 0.1": (
-        ["shard_mode=explicit", *FSDP8, "gradient_accumulation_steps=2", "dropout_rate=0.1"], []),
+        ["shard_mode=explicit", *FSDP8, "gradient_accumulation_steps=2", "dropout_rate=0.1"],
+        [],
+    ),
 }
 
 
@@ -146,8 +169,9 @@ def check_case(name: str, runs: Path) -> dict:
     return {
         "case": name,
         "grad_rel_error_max_f32": max(x["grad_rel_error"] for x in c),
-        "grad_rel_error_blocks_max_f32": max((x["grad_rel_error_blocks"] for x in c if "grad_rel_error_blocks" in x),
-                                             default=None),
+        "grad_rel_error_blocks_max_f32": max(
+            (x["grad_rel_error_blocks"] for x in c if "grad_rel_error_blocks" in x), default=None
+        ),
         "rest_equal": all(x["rest_equal"] for x in c),
         "steps": len(c),
     }
@@ -155,8 +179,8 @@ def check_case(name: str, runs: Path) -> dict:
 
 def check_table(rows) -> str:
     lines = [
-        "| case | gradient vs MaxText's own (max over steps, float32) | vs the same sum over the drop-in's micro-batches "
-        "| NNX rest (RNG counters) after the step = MaxText's |",
+        "| case | gradient vs MaxText's own (max over steps, float32) | vs the same sum over the drop-in's "
+        "micro-batches | NNX rest (RNG counters) after the step = MaxText's |",
         "|---|---:|---:|---|",
     ]
     for r in rows:

@@ -49,11 +49,18 @@ MESHES = {
 }
 MIB = 2**20
 VARIANTS = ("maxtext", "adascale", "optimizer")
-ALL = [("fsdp8", "auto"), ("fsdp8", "explicit"), ("d2f2t2", "auto"), ("d2f2t2", "explicit"), ("d2f4", "auto"),
-       ("f4t2", "auto")]
+ALL = [
+    ("fsdp8", "auto"),
+    ("fsdp8", "explicit"),
+    ("d2f2t2", "auto"),
+    ("d2f2t2", "explicit"),
+    ("d2f4", "auto"),
+    ("f4t2", "auto"),
+]
 
 
 def measure(mesh_name: str, shard_mode: str, extra: list[str]) -> dict:
+    import adascale_maxtext
     import jax
     import maxtext
     import numpy as np
@@ -61,8 +68,6 @@ def measure(mesh_name: str, shard_mode: str, extra: list[str]) -> dict:
     from flax.core.spmd import logical_axis_rules
     from maxtext.trainers.pre_train import train
     from maxtext.utils import sharding, train_utils
-
-    import adascale_maxtext
 
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
     argv = [sys.argv[0], base, "run_name=memory", "base_output_directory=/tmp/maxtext_memory", "steps=1"]

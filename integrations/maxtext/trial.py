@@ -110,30 +110,41 @@ def checked(value_and_grad, closure: bool):
             refs, rests = {}, {}
             split = {  # micro-batch j's rows, by reshapes (an Explicit mesh types them; a gather it refuses)
                 "maxtext": lambda x, j: jnp.swapaxes(x.reshape((rows // k, k) + x.shape[1:]), 0, 1)[j],
-                "blocks": lambda x, j: x.reshape((n, k, rows // (n * k)) + x.shape[1:])[:, j].reshape((-1,) + x.shape[1:]),
+                "blocks": lambda x, j: x.reshape((n, k, rows // (n * k), *x.shape[1:]))[:, j].reshape(-1, *x.shape[1:]),
             }
             for name in ("maxtext", "blocks") if k > 1 else ("maxtext",):
                 total, r = None, rest
                 for j in range(k):
-                    part = jax.tree.map(lambda x, j=j: split[name](x, j), data) if k > 1 else data
+                    part = jax.tree.map(lambda x, j=j, f=split[name]: f(x, j), data) if k > 1 else data
                     (_, (_, r)), g = step((curr, custom), r, part)
                     total = g if total is None else jax.tree.map(jnp.add, total, g)
                 if k > 1:
                     w = jnp.sum(data["targets_segmentation"] != 0).astype(jnp.float32)
-                    total = jax.tree.map(lambda x: x / w, total)
+                    total = jax.tree.map(lambda x, w=w: x / w, total)
                 refs[name], rests[name] = total, r
             norm = lambda t: jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(t)))  # noqa: E731
             diff = lambda a, b: norm(jax.tree.map(lambda x, y: x.astype(jnp.float32) - y.astype(jnp.float32), a, b))  # noqa: E731
             ints = lambda t: [x for x in jax.tree.leaves(t) if not jnp.issubdtype(x.dtype, jnp.floating)]  # noqa: E731
             new_rest = out[0][1][1]
-            same_rest = jnp.all(jnp.stack([jnp.all(jax.random.key_data(a) == jax.random.key_data(b))
-                                           if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else jnp.all(a == b)
-                                           for a, b in zip(ints(new_rest), ints(rests["maxtext"]), strict=True)]))
+            same_rest = jnp.all(
+                jnp.stack(
+                    [
+                        jnp.all(jax.random.key_data(a) == jax.random.key_data(b))
+                        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+                        else jnp.all(a == b)
+                        for a, b in zip(ints(new_rest), ints(rests["maxtext"]), strict=True)
+                    ]
+                )
+            )
             errs = {name: diff(out[1], ref) / norm(ref) for name, ref in refs.items()}
             jax.debug.callback(
                 lambda e, r, g: CHECKS.append(
-                    {"grad_rel_error": float(e["maxtext"]), "grad_norm": float(g), "rest_equal": bool(r),
-                     **({"grad_rel_error_blocks": float(e["blocks"])} if "blocks" in e else {})}
+                    {
+                        "grad_rel_error": float(e["maxtext"]),
+                        "grad_norm": float(g),
+                        "rest_equal": bool(r),
+                        **({"grad_rel_error_blocks": float(e["blocks"])} if "blocks" in e else {}),
+                    }
                 ),
                 errs,
                 same_rest,
@@ -163,8 +174,11 @@ def model_creation_utils_from_config_with_lora() -> None:
         decoder = getattr(model, "decoder", model)
         tokens, positions = lora_utils._prepare_dummy_inputs(mesh)  # noqa: SLF001
         model = qwix.apply_lora_to_model(
-            model, lora_utils._build_lora_provider(config), decoder_input_tokens=tokens,  # noqa: SLF001
-            decoder_positions=positions, rngs=getattr(decoder, "rngs", None),
+            model,
+            lora_utils._build_lora_provider(config),
+            decoder_input_tokens=tokens,  # noqa: SLF001
+            decoder_positions=positions,
+            rngs=getattr(decoder, "rngs", None),
         )
         for _, node in nnx.iter_graph(model):
             if hasattr(node, "__dict__") and "qwix_rngs" in node.__dict__:
