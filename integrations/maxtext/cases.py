@@ -1,9 +1,11 @@
-"""Every case of the MaxText 0.2.5 trial, three runs each, and the table in README.md.
+"""Every case of the MaxText 0.2.5 trial, four runs each, the issue-33 checks, and the tables in README.md.
 
 Per case: (1) ``--check`` in float32 for 3 steps: our gradient against MaxText's own ``jax.value_and_grad`` of
-the same loss (with accumulation, its own Σ over micro-batches / Σ tokens) inside the same step; (2) AdaScale,
-MaxText's default bfloat16, until τ ≥ T; (3) MaxText unmodified for T iterations, its held-out loss read also at
-AdaScale's iteration count. MaxText's gradient clipping (``gradient_clipping_threshold=1.0``) stays on in all.
+the same loss (with accumulation, its own accumulation: micro-batches of rows ``j, j + k, …``, NNX's ``rest``
+threaded, Σ over micro-batches / Σ tokens) inside the same step; (2) AdaScale, MaxText's default bfloat16, until
+τ ≥ T; (3) MaxText unmodified for T iterations, its held-out loss read also at AdaScale's iteration count; (4)
+MaxText at the base batch (one sample's rows). MaxText's gradient clipping (``gradient_clipping_threshold=1.0``)
+stays on in all. ``CHECKS``: the check alone, for issue 33's failure cases.
 
     python cases.py [--steps 80] [--only NAME ...]     # inside the MaxText venv (run.sh makes it)
 """
@@ -20,6 +22,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 FSDP8 = ["ici_fsdp_parallelism=8"]
+# float32: in MaxText's default bfloat16 its own step fails with the qwix adapters in the scanned decoder
+# ("scan body function carry input and carry output must have equal types": bfloat16[8,1,64] in, float32 out)
+LORA = ["lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8", "dtype=float32"]
 CASES = {
     "default: auto, scan, fsdp 8": (["shard_mode=auto", "scan_layers=true", *FSDP8], []),
     "auto, no scan": (["shard_mode=auto", "scan_layers=false", *FSDP8], []),
@@ -39,6 +44,58 @@ CASES = {
     ),
     "auto, dropout 0.1": (["shard_mode=auto", *FSDP8, "dropout_rate=0.1"], []),
     "explicit, dropout 0.1": (["shard_mode=explicit", *FSDP8, "dropout_rate=0.1"], []),
+    # Mixtral-style MoE, dense dispatch (no megablox/ragged kernels on CPU), GShard capacity with token dropping, the
+    # load-balancing loss on. Auto only: MaxText 0.2.5's own step fails on an Explicit mesh with these MoE layers.
+    "auto, MoE 4 experts top-2, dense, capacity 1.25": (
+        [
+            "shard_mode=auto",
+            *FSDP8,
+            "decoder_block=mixtral",
+            "num_experts=4",
+            "num_experts_per_tok=2",
+            "base_moe_mlp_dim=128",
+            "sparse_matmul=false",
+            "megablox=false",
+            "capacity_factor=1.25",
+            "load_balance_loss_weight=0.01",
+        ],
+        [],
+    ),
+    # LoRA adapters (rank 4) on every attention and MLP kernel, as MaxText's SFT trainer adds them (trial.py --lora):
+    # train_step then trains nnx.LoRAParam alone, the frozen base weights ride in NNX's rest (state_argnum=2)
+    "auto, LoRA rank 4": (["shard_mode=auto", *FSDP8, *LORA], ["--lora"]),
+    "explicit, LoRA rank 4": (["shard_mode=explicit", *FSDP8, *LORA], ["--lora"]),
+}
+# Issue 33's failures, the gradient check alone (float32, 3 steps): the drop-in on a lambda closing over NNX's rest
+# (--closure, as the issue's reviewer called it) and the patch's state_argnum=2, with accumulation and dropout keys
+# of MaxText's unsafe_rbg and of threefry.
+CHECKS = {
+    "closure, auto, accumulation 2": (["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2"], ["--closure"]),
+    "closure, auto, dropout 0.1 (unsafe_rbg)": (["shard_mode=auto", *FSDP8, "dropout_rate=0.1"], ["--closure"]),
+    "closure, auto, dropout 0.1 (threefry)": (
+        ["shard_mode=auto", *FSDP8, "dropout_rate=0.1"],
+        ["--closure", "--prng", "threefry2x32"],
+    ),
+    "closure, auto, accumulation 2, dropout 0.1": (
+        ["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2", "dropout_rate=0.1"],
+        ["--closure"],
+    ),
+    "patch, auto, dropout 0.1 (threefry)": (
+        ["shard_mode=auto", *FSDP8, "dropout_rate=0.1"],
+        ["--prng", "threefry2x32"],
+    ),
+    "patch, explicit, dropout 0.1 (threefry)": (
+        ["shard_mode=explicit", *FSDP8, "dropout_rate=0.1"],
+        ["--prng", "threefry2x32"],
+    ),
+    "patch, auto, accumulation 2, dropout 0.1": (
+        ["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2", "dropout_rate=0.1"],
+        [],
+    ),
+    "patch, explicit, accumulation 2, dropout 0.1": (
+        ["shard_mode=explicit", *FSDP8, "gradient_accumulation_steps=2", "dropout_rate=0.1"],
+        [],
+    ),
 }
 
 
@@ -52,7 +109,7 @@ def trial(mode: str, steps: int, out: Path, overrides, flags, extra=()) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=HERE)
     if proc.returncode:
         tail = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line or "error" in line]
-        raise RuntimeError(f"{' '.join(cmd)} failed: {tail[-3:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed: {tail[-2:]}")
     record = json.loads(out.read_text())
     record["command"] = [mode, steps, list(overrides), list(flags), list(extra)]
     out.write_text(json.dumps(record))
@@ -101,6 +158,43 @@ def run_case(name: str, steps: int, runs: Path) -> dict:
     }
 
 
+def check_case(name: str, runs: Path) -> dict:
+    overrides, flags = CHECKS[name]
+    stem = "".join(c if c.isalnum() else "_" for c in name)
+    try:
+        check = trial("adascale", 3, runs / f"{stem}_check.json", [*overrides, "dtype=float32"], flags, ["--check"])
+    except RuntimeError as err:
+        return {"case": name, "error": str(err).split(" failed: ")[-1]}
+    c = check["checks"]
+    return {
+        "case": name,
+        "grad_rel_error_max_f32": max(x["grad_rel_error"] for x in c),
+        "grad_rel_error_blocks_max_f32": max(
+            (x["grad_rel_error_blocks"] for x in c if "grad_rel_error_blocks" in x), default=None
+        ),
+        "rest_equal": all(x["rest_equal"] for x in c),
+        "steps": len(c),
+    }
+
+
+def check_table(rows) -> str:
+    lines = [
+        "| case | gradient vs MaxText's own (max over steps, float32) | vs the same sum over the drop-in's "
+        "micro-batches | NNX rest (RNG counters) after the step = MaxText's |",
+        "|---|---:|---:|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | error: {r['error']} | | |")
+            continue
+        blocks = r["grad_rel_error_blocks_max_f32"]
+        lines.append(
+            f"| {r['case']} | {r['grad_rel_error_max_f32']:.1e} | {'—' if blocks is None else f'{blocks:.1e}'} | "
+            f"{'yes' if r['rest_equal'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows, steps: int) -> str:
     lines = [
         "| case | gradient vs MaxText's, step 1 (float32) | iterations (MaxText: T) | τ | mean gain | held-out "
@@ -132,12 +226,22 @@ def main() -> int:
     runs = HERE / "runs"
     runs.mkdir(exist_ok=True)
     rows = []
-    for name in args.only or CASES:
-        row = run_case(name, args.steps, runs)
+    failed = []
+    for name in [n for n in args.only or CASES if n in CASES]:
+        try:
+            row = run_case(name, args.steps, runs)
+        except RuntimeError as err:
+            failed.append({"case": name, "error": str(err)})
+            print(json.dumps(failed[-1]), flush=True)
+            continue
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.out.write_text(json.dumps({"T": args.steps, "rows": rows}, indent=1))
+    checks = [check_case(name, runs) for name in [n for n in args.only or CHECKS if n in CHECKS]]
+    for row in checks:
+        print(json.dumps(row), flush=True)
+    args.out.write_text(json.dumps({"T": args.steps, "rows": rows, "failed": failed, "checks": checks}, indent=1))
     print(table(rows, args.steps))
+    print(check_table(checks))
     return 0
 
 

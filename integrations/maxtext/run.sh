@@ -3,7 +3,7 @@
 #   bash integrations/maxtext/run.sh [--steps 120] [--only "explicit, scan" ...]
 # Makes its own Python 3.12 venv (MaxText 0.2.5 needs JAX >= 0.11), installs MaxText 0.2.5 (its wheel declares
 # no dependencies: they are listed here), this package, applies train_step.patch to the installed train.py
-# (12 changed lines), and runs every case of cases.py: results.json and the table on stdout.
+# (13 changed lines), and runs every case of cases.py: results.json and the tables on stdout.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)

@@ -11,6 +11,9 @@ It writes one JSON record: losses, gains, τ, step times and (``--check``) our g
 ``--mode maxtext``: MaxText's AdamW for ``--steps`` iterations. ``--mode adascale``: AdaScale-AdamW with the
 same schedule until τ ≥ ``--steps``. ``--unequal``: every row padded after a random length (weight 0 past it),
 so the data shards hold unequal real-token counts. ``--eval-at N``: also the held-out loss at iteration N.
+``--prng threefry2x32``: dropout keys of that implementation instead of MaxText's hard-coded ``unsafe_rbg``.
+``--closure``: the drop-in called on a lambda closing over NNX's ``rest`` (no ``state_argnum``), as issue 33's
+reviewer called it, instead of the patch's ``state_argnum=2``.
 """
 
 from __future__ import annotations
@@ -77,6 +80,116 @@ def make_batch(text: np.ndarray, rows: int, length: int, seed: int, unequal: boo
     }
 
 
+CHECKS: list[dict] = []
+
+
+def checked(value_and_grad, closure: bool):
+    """``optax_adascale.value_and_grad`` as the patched ``train_step`` calls it, recording at every step our gradient
+    against MaxText's own (float32 runs): ``k = 1`` ``jax.value_and_grad`` of ``diff_wrapper`` on the global batch;
+    ``k > 1`` MaxText's accumulation (``gradient_accumulation_loss_and_grad``: micro-batch ``j`` is rows ``j, j + k,
+    …``, NNX's ``rest`` threaded from one micro-batch to the next, ``Σ_j ∇xent_sum_j / W``), and the same sum over
+    the drop-in's micro-batches (the ``j``-th contiguous block of every data shard's rows). Also whether the
+    returned ``rest`` (RNG counters) is MaxText's after the step."""
+    import jax.numpy as jnp
+
+    def make(loss, argnums=0, **kw):
+        own = getattr(loss, "__wrapped__", loss)  # MaxText's diff_wrapper (per_token's k / W undone)
+        k = kw.get("num_microbatches", 1)
+
+        def fn(curr, custom, rest, config, data):
+            if closure:  # issue 33's reviewer: rest closed over, no state_argnum
+                kw_ = {key: v for key, v in kw.items() if key != "state_argnum"}
+                lam = lambda p, c, cfg, d: loss(p, c, rest, cfg, d)  # noqa: E731
+                out = value_and_grad(lam, argnums=argnums, **kw_)(curr, custom, config, data)
+            else:
+                out = value_and_grad(loss, argnums=argnums, **kw)(curr, custom, rest, config, data)
+            step = jax.value_and_grad(lambda p, r, d: own(p[0], p[1], r, config, d), has_aux=True)
+            rows = data["inputs"].shape[0]
+            mesh = jax.sharding.get_abstract_mesh()
+            n = int(np.prod([mesh.shape[a] for a in kw["data_axes"]]))
+            refs, rests = {}, {}
+            split = {  # micro-batch j's rows, by reshapes (an Explicit mesh types them; a gather it refuses)
+                "maxtext": lambda x, j: jnp.swapaxes(x.reshape((rows // k, k) + x.shape[1:]), 0, 1)[j],
+                "blocks": lambda x, j: x.reshape((n, k, rows // (n * k), *x.shape[1:]))[:, j].reshape(-1, *x.shape[1:]),
+            }
+            for name in ("maxtext", "blocks") if k > 1 else ("maxtext",):
+                total, r = None, rest
+                for j in range(k):
+                    part = jax.tree.map(lambda x, j=j, f=split[name]: f(x, j), data) if k > 1 else data
+                    (_, (_, r)), g = step((curr, custom), r, part)
+                    total = g if total is None else jax.tree.map(jnp.add, total, g)
+                if k > 1:
+                    w = jnp.sum(data["targets_segmentation"] != 0).astype(jnp.float32)
+                    total = jax.tree.map(lambda x, w=w: x / w, total)
+                refs[name], rests[name] = total, r
+            norm = lambda t: jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(t)))  # noqa: E731
+            diff = lambda a, b: norm(jax.tree.map(lambda x, y: x.astype(jnp.float32) - y.astype(jnp.float32), a, b))  # noqa: E731
+            ints = lambda t: [x for x in jax.tree.leaves(t) if not jnp.issubdtype(x.dtype, jnp.floating)]  # noqa: E731
+            new_rest = out[0][1][1]
+            same_rest = jnp.all(
+                jnp.stack(
+                    [
+                        jnp.all(jax.random.key_data(a) == jax.random.key_data(b))
+                        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+                        else jnp.all(a == b)
+                        for a, b in zip(ints(new_rest), ints(rests["maxtext"]), strict=True)
+                    ]
+                )
+            )
+            errs = {name: diff(out[1], ref) / norm(ref) for name, ref in refs.items()}
+            jax.debug.callback(
+                lambda e, r, g: CHECKS.append(
+                    {
+                        "grad_rel_error": float(e["maxtext"]),
+                        "grad_norm": float(g),
+                        "rest_equal": bool(r),
+                        **({"grad_rel_error_blocks": float(e["blocks"])} if "blocks" in e else {}),
+                    }
+                ),
+                errs,
+                same_rest,
+                norm(refs["maxtext"]),
+            )
+            return out
+
+        return fn
+
+    return make
+
+
+def model_creation_utils_from_config_with_lora() -> None:
+    """MaxText 0.2.5's pre-training never adds LoRA adapters (its ``train_step`` trains ``nnx.LoRAParam`` when
+    ``lora.enable_lora``; only its SFT trainer adds them, eagerly, with ``lora_utils.apply_lora_to_model``, which
+    reads ``.sharding`` of concrete arrays and so fails inside the pre-training setup's ``jit``/``eval_shape``).
+    This is that function without its eager resharding of the adapters (their ``sharding`` metadata, ``P()``,
+    replicated, places them), applied to every model ``from_config`` builds."""
+    import qwix
+    from flax import nnx
+    from maxtext.utils import lora_utils, model_creation_utils
+
+    from_config = model_creation_utils.from_config
+
+    def with_lora(config, devices=None, mesh=None, **kw):
+        model = from_config(config, devices, mesh, **kw)
+        decoder = getattr(model, "decoder", model)
+        tokens, positions = lora_utils._prepare_dummy_inputs(mesh)  # noqa: SLF001
+        model = qwix.apply_lora_to_model(
+            model,
+            lora_utils._build_lora_provider(config),
+            decoder_input_tokens=tokens,  # noqa: SLF001
+            decoder_positions=positions,
+            rngs=getattr(decoder, "rngs", None),
+        )
+        for _, node in nnx.iter_graph(model):
+            if hasattr(node, "__dict__") and "qwix_rngs" in node.__dict__:
+                del node.qwix_rngs
+            if isinstance(node, nnx.LoRAParam):
+                node.set_metadata(sharding=jax.sharding.PartitionSpec(), out_sharding=None, sharding_names=None)
+        return model
+
+    model_creation_utils.from_config = with_lora
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("maxtext", "adascale"), required=True)
@@ -85,6 +198,9 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="our gradient against MaxText's own, every step")
     parser.add_argument("--unequal", action="store_true", help="padded rows: unequal real tokens per shard")
     parser.add_argument("--eval-at", type=int, default=None, help="also the held-out loss at this iteration")
+    parser.add_argument("--prng", default=None, help="jax_default_prng_impl (MaxText: unsafe_rbg)")
+    parser.add_argument("--lora", action="store_true", help="MaxText's LoRA adapters (lora.* overrides) applied")
+    parser.add_argument("--closure", action="store_true", help="the drop-in on a lambda closing over rest")
     parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides")
     args = parser.parse_args()
 
@@ -97,11 +213,17 @@ def main() -> int:
 
     import optax_adascale
 
+    if args.lora:  # LoRA adapters as MaxText's SFT trainer adds them (lora_utils.apply_lora_to_model, qwix)
+        model_creation_utils_from_config_with_lora()
     if args.mode == "adascale":
-        adascale_maxtext.use_adascale(check=args.check)
+        adascale_maxtext.use_adascale()
+        if args.check or args.closure:
+            optax_adascale.value_and_grad = checked(optax_adascale.value_and_grad, args.closure)
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
     argv = [sys.argv[0], base, "run_name=trial", f"base_output_directory={args.out.parent / 'maxtext_out'}"]
     config, recorder = train.initialize(argv + TINY + [f"steps={args.steps}"] + args.overrides)
+    if args.prng:
+        jax.config.update("jax_default_prng_impl", args.prng)  # after train.initialize, which sets unsafe_rbg
     (_, _, state_mesh_shardings, _, mesh, _, _, data_loader, _, _, state) = train_utils.setup_train_loop(
         config, recorder
     )
@@ -165,7 +287,7 @@ def main() -> int:
         it += 1
     record["iterations"] = it
     record["eval"]["end"] = evaluate(state)
-    record["checks"] = adascale_maxtext.CHECKS
+    record["checks"] = CHECKS
     record["total_weights_logged"] = float(metrics["scalar"]["learning/total_weights"])
     record["total_weights_true"] = float(np.sum(host_batch["targets_segmentation"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
