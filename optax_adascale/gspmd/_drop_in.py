@@ -275,7 +275,8 @@ def _global(
     if layout.k == 1:
         value, aux, partials, sq = one(args)
     else:
-        value, aux, partials, sq = split.scan(one, [_zeros_like_partial(x) for x in entry], layout, unroll)
+        fixed = _split.row_free_outputs(loss.closed.jaxpr, [len(leaves) + i for i in split.rows])[1:]
+        value, aux, partials, sq = split.scan(one, [_zeros_like_partial(x) for x in entry], layout, unroll, fixed)
     # The partials sum the k micro-batches' gradients (each of weight 1/k in the mean).
     k = layout.k
     grads = [
@@ -337,9 +338,24 @@ def _one_shard(loss_fn, has_aux, layout: Layout, params, args, unroll=1, n_state
     (acc, sq_acc), (values, auxes), state = split.loop(step, (zeros, sq_zeros), unroll)
     k = layout.k
     grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-    value = (jnp.mean(values), split.aux(auxes, state)) if has_aux else jnp.mean(values)
+    if has_aux:
+        value = (jnp.mean(values), split.aux(auxes, state, _row_free_aux(loss_fn, params, split)))
+    else:
+        value = jnp.mean(values)
     stats = MicrobatchStats(jax.tree.map(lambda s: s / k, sq_acc), k, mean_sq_norms=jax.tree.map(sq, grads))
     return value, grads, stats
+
+
+def _row_free_aux(loss_fn, params, split: _split.Split) -> list[bool]:
+    """Which aux leaves of ``loss_fn`` do not depend on the batch's rows (traced at one micro-batch's shapes)."""
+    leaves, treedef = jax.tree.flatten(params)
+    n = len(leaves)
+
+    def flat(*xs):
+        return jax.tree.leaves(loss_fn(treedef.unflatten(list(xs[:n])), *split.tree.unflatten(list(xs[n:]))))
+
+    closed = jax.make_jaxpr(flat)(*leaves, *jax.tree.leaves(split.first_avals()))
+    return _split.row_free_outputs(closed.jaxpr, [n + i for i in split.rows])[1:]
 
 
 # --------------------------------------------------------------------------- Auto axes

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from optax_adascale import _compat
 from optax_adascale.gspmd import _layout
 from optax_adascale.gspmd._layout import Layout
 
@@ -27,6 +28,28 @@ def combine(x: Any) -> Any:
     if x.dtype == jnp.bool_:
         return jnp.any(x, axis=0)
     return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.sum(x, axis=0)
+
+
+def _counts(x: Any) -> bool:
+    """An aux leaf :func:`combine` sums: integers."""
+    return not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and jnp.issubdtype(x.dtype, jnp.integer)
+
+
+def row_free_outputs(jaxpr, rows: list[int]) -> list[bool]:
+    """Which outputs of ``jaxpr`` are state rather than counts: they depend on what the function closes over or on
+    an argument that is not the batch, and not on its inputs ``rows`` (a forward walk; an equation with a
+    dependent input makes all its outputs dependent). A constant (a count from shapes) is neither."""
+    literal = _compat.literal_type()
+    row_vars = {jaxpr.invars[i] for i in rows}
+    other = set(jaxpr.constvars) | {v for i, v in enumerate(jaxpr.invars) if i not in rows}
+    on_rows, on_state = set(row_vars), set(other)
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, literal)]
+        if any(v in on_rows for v in ins):
+            on_rows.update(eqn.outvars)
+        if any(v in on_state for v in ins):
+            on_state.update(eqn.outvars)
+    return [not isinstance(v, literal) and v in on_state and v not in on_rows for v in jaxpr.outvars]
 
 
 @dataclasses.dataclass
@@ -113,7 +136,7 @@ class Split:
         (carry, state), outs = lax.scan(body, (carry, state0), xs, unroll=unroll)
         return carry, outs, (state_tree[-1].unflatten(state) if self.n_state else None)
 
-    def scan(self, one, zeros: list[Any], layout: Layout, unroll: int | bool = 1):
+    def scan(self, one, zeros: list[Any], layout: Layout, unroll: int | bool = 1, fixed: list[bool] | None = None):
         """``one`` over the micro-batches: partials and ``‖·‖²`` arrays accumulate per device, no reduction."""
         mesh_zero = jnp.zeros((len(zeros),) + layout.axis_sizes, jnp.float32, out_sharding=P(None, *layout.axis_names))
 
@@ -124,11 +147,29 @@ class Split:
             return (acc, sq_acc + sq), (value, aux)
 
         (acc, sq), (values, auxes), state = self.loop(step, (zeros, mesh_zero), unroll)
-        return jnp.mean(values), self.aux(auxes, state), acc, sq
+        return jnp.mean(values), self.aux(auxes, state, fixed), acc, sq
 
-    def aux(self, stacked: Any, state: Any) -> Any:
-        """The aux over the micro-batches (:func:`combine`), with the last new state where state is threaded."""
-        combined = jax.tree.map(combine, stacked)
+    def aux(self, stacked: Any, state: Any, fixed: list[bool] | None = None) -> Any:
+        """The aux over the micro-batches (:func:`combine`), with the last new state where state is threaded.
+
+        ``fixed[i]``: aux leaf ``i`` does not depend on the rows (state the loss advances from what it closes over,
+        a constant): every micro-batch computed the same value, which is kept as it is, not summed (a warning says
+        how to thread such state, ``state_argnum``)."""
+        leaves, tree = jax.tree.flatten(stacked)
+        # the leaves of aux come first in the function's outputs (a threaded new state after them)
+        fixed = list(fixed[: len(leaves)]) if fixed is not None and len(fixed) >= len(leaves) else [False] * len(leaves)
+        kept = [i for i, (x, f) in enumerate(zip(leaves, fixed, strict=True)) if f and _counts(x)]
+        if kept:
+            from optax_adascale.core import _checks
+
+            _checks.warn(
+                f"value_and_grad(num_microbatches={self.layout.k}): {len(kept)} integer aux value(s) of loss_fn do not "
+                "depend on the batch (state the loss advances from what it closes over, such as RNG counters): "
+                "each micro-batch computed the same value, which is returned as it is, not summed. To advance such "
+                "state once per micro-batch, as your own accumulation would, pass it as an argument and name it "
+                "state_argnum (loss_fn then returns (loss, (aux, new_state)))."
+            )
+        combined = tree.unflatten([x[-1] if i in kept else combine(x) for i, x in enumerate(leaves)])
         return (combined, state) if self.n_state else combined
 
 

@@ -185,3 +185,27 @@ def test_state_argnum_needs_aux_and_is_not_differentiated():
         optax_adascale.value_and_grad(loss, argnums=(0, 1), state_argnum=1, has_aux=True)
     with pytest.raises(TypeError, match="argnums must be"):
         optax_adascale.value_and_grad(loss, argnums="0")
+
+
+@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
+def test_state_closed_over_is_not_summed_over_micro_batches_and_a_warning_names_state_argnum(mesh_kind):
+    """A counter the loss advances from what it closes over (NNX's rest in a lambda): every micro-batch computes the
+    same value; summed it read k times it. It is returned as it is, with a warning naming state_argnum; a count of
+    the batch's rows is still summed."""
+    rng = np.random.default_rng(3)
+    w = (rng.normal(size=(D, C)) / 3).astype(np.float32)
+    x, y = batch()
+    mesh = mesh_of(mesh_kind)
+
+    def step(w, x, y, count):
+        def loss(w, x, y):
+            out = optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
+            return out, {"count": count + 1, "rows": jnp.int32(x.shape[0])}
+
+        return optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=2, has_aux=True)(w, x, y)[0]
+
+    with jax.set_mesh(mesh):
+        xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+        with pytest.warns(UserWarning, match=r"do not depend on the batch.*state_argnum"):
+            _, aux = jax.jit(step)(w, xs, ys, jnp.uint32(5))
+    assert int(aux["count"]) == 6 and int(aux["rows"]) == B
