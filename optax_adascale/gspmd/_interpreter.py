@@ -155,6 +155,9 @@ class Interpreter:
                     return decided[0]
             if not reduced_in:
                 raise
+            by_rows = _local.elementwise_by_row_shard(self, eqn, invals)
+            if by_rows is not None:
+                return by_rows
             return _local.local(self, eqn, invals)
         if reduced_in and not _local.keeps_copies(self, eqn, invals, out):
             return _local.local(self, eqn, invals)  # the per-copy rule JAX's types imply, where JAX has none

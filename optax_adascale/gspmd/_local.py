@@ -52,6 +52,68 @@ def local(interp: Any, eqn, invals):
     return result if eqn.primitive.multiple_results else result[0]
 
 
+def elementwise_by_row_shard(interp: Any, eqn, invals) -> Any:
+    """An elementwise equation of a parameter's copy and the rows (``x * scale``, ``h + b``), which JAX refuses on a
+    ``reduced`` operand: the rows' dimension split into (data shards, rows per shard) and each shard's copy of the
+    parameter put along the first (``copies``), so that the equation runs as JAX's own on plain operands, its
+    transpose summing each shard's rows into that shard's copy. ``None`` where this is not that case."""
+    layout = interp.layout
+    if eqn.primitive.multiple_results or layout.extra or not eqn.outvars:
+        return None
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    data = frozenset(layout.data)
+    arrays = [x for x in invals if hasattr(x, "shape")]
+    if not out_shape or any(jnp.ndim(x) not in (0, len(out_shape)) for x in arrays):
+        return None
+    if any(not _rows._broadcasts(tuple(jnp.shape(x)), out_shape) for x in arrays):
+        return None
+    dims = set()
+    for x in arrays:
+        if not _layout.reduced_axes(x) and jnp.ndim(x):
+            dims |= {d for d, e in enumerate(_layout.partitions(x)) if data & set(_layout.spec_axes(e))}
+    if len(dims) != 1:
+        return None
+    (d,) = dims
+    n, size = layout.shards, out_shape[d]
+    entry = layout.data_spec
+    split_shape = out_shape[:d] + (n, size // n) + out_shape[d + 1 :]
+
+    def split(x):
+        if _layout.reduced_axes(x) and hasattr(x, "shape"):
+            x = x.reshape((1,) * len(out_shape)) if not jnp.ndim(x) else x
+            if x.shape[d] != 1:
+                return None
+            stack, _ = copies(layout, x, data)  # (n, *x.shape), a copy per data shard
+            parts = _layout.partitions(x)
+            stack = jnp.moveaxis(stack, 0, d)  # (.., n, 1, ..): dim d + 1 is x's own size-1 dimension
+            return stack.reshape(
+                x.shape[:d] + (n, 1) + x.shape[d + 1 :], out_sharding=P(*parts[:d], entry, None, *parts[d + 1 :])
+            )
+        if not hasattr(x, "shape") or not jnp.ndim(x):
+            return x
+        parts = _layout.partitions(x)
+        if x.shape[d] == 1:
+            return x.reshape(
+                x.shape[:d] + (1, 1) + x.shape[d + 1 :], out_sharding=P(*parts[:d], None, None, *parts[d + 1 :])
+            )
+        if tuple(_layout.spec_axes(parts[d])) != layout.data:
+            return None
+        return x.reshape(
+            split_shape[: d + 2] + x.shape[d + 1 :], out_sharding=P(*parts[:d], entry, None, *parts[d + 1 :])
+        )
+
+    operands = [split(x) for x in invals]
+    if any(o is None and hasattr(x, "shape") for o, x in zip(operands, invals, strict=True)):
+        return None
+    try:
+        out = interp.bind(eqn, operands)
+    except Exception:  # noqa: BLE001 - not an elementwise equation JAX takes this way: the per-copy VJP
+        return None
+    parts = _layout.partitions(out)
+    merged = parts[:d] + (entry,) + parts[d + 2 :]
+    return out.reshape(out_shape, out_sharding=P(*merged))
+
+
 def keeps_copies(interp: Any, eqn, invals, out) -> bool:
     """Whether JAX's own rules keep each data shard's copy of the parameters apart through ``eqn``, an equation
     with a ``reduced`` input. Through an equation that meets the batch (an operand sharded over the data axes)
