@@ -270,10 +270,14 @@ def test_a_scheduled_ramp_is_fixed_k_optimizers_carried_over_by_transfer_state()
             updates, ref_state = step(noisy_grads(call), ref_state, ref_params)
             ref_params = optax.apply_updates(ref_params, updates)
             call += 1
-    assert bits_equal(params, ref_params)
+    # Two different compiled programs: XLA may vectorise a sum differently on another CPU (1 ulp seen in CI), so
+    # the comparison is to float32 rounding, not to the bit.
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)  # noqa: E731
+    jax.tree.map(close, params, ref_params)
     m, ref = optax_adascale.metrics(state), optax_adascale.metrics(ref_state)
     for key in ("gain", "scale_invariant_steps", "grad_var", "grad_sqr", "scale"):
-        assert bits_equal(m[key], ref[key]), key
+        close(m[key], ref[key])
+    assert float(m["scale"]) == float(ref["scale"])
 
 
 @contextlib.contextmanager
