@@ -17,6 +17,10 @@ from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 
+# Auto meshes without param_specs on purpose: the parameters replicate inside the loss, and the values are
+# what these tests check; test_semantics checks the warning about the lost memory saving.
+pytestmark = pytest.mark.filterwarnings("ignore:value_and_grad.*on a mesh with Auto axes:UserWarning")
+
 R, ROWS, CALLS = 4, 3, 15
 SCHEDULE = optax.exponential_decay(0.3, transition_steps=10, decay_rate=0.5)
 K_OF_UPDATE = [1, 2, 4, 2, 4]  # the k the policy asks for after each update: up, down, up again

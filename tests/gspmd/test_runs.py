@@ -20,6 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 import optax_adascale
 
+# Auto meshes without param_specs on purpose: the parameters replicate inside the loss, and the values are
+# what these tests check; test_semantics checks the warning about the lost memory saving.
+pytestmark = pytest.mark.filterwarnings("ignore:value_and_grad.*on a mesh with Auto axes:UserWarning")
+
 D_IN, HIDDEN, CLASSES, ROWS, STEPS = 16, 32, 8, 128, 12
 SCHEDULE = optax.exponential_decay(0.5, transition_steps=6, decay_rate=0.5)
 
