@@ -322,6 +322,8 @@ def run_train_loop(args, config, recorder) -> int:
             microbatches_seen=int(m["microbatches_seen"]),
         )
         adascale_maxtext.ON = False  # the helper's state ends with the run
+    else:
+        record["updates"] = calls  # MaxText: one update per call
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record))
     print(
