@@ -319,7 +319,7 @@ def run_train_loop(args, config, recorder) -> int:
             updates=int(optax_adascale.get_adascale_state(state).count),
             tau_end=float(m["scale_invariant_steps"]),
             scale_end=float(m["scale"]),
-            microbatches_seen=int(m["microbatches_seen"]),
+            microbatches_seen=int(m.get("microbatches_seen", calls)),  # no ramp: one micro-batch set per call
         )
         adascale_maxtext.ON = False  # the helper's state ends with the run
     else:
