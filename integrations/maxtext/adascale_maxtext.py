@@ -5,6 +5,12 @@ argnums=(0, 1), has_aux=True)`` when ``ON`` is set (also with ``gradient_accumul
 statistics to the optimizer, ``state.apply_gradients(grads, **extra(stats))``. :func:`use_adascale` sets ``ON``
 and makes ``get_optimizer`` build AdaScale around MaxText's own AdamW (or SGD). With ``ON`` unset the patched
 ``train_step`` is MaxText's, line for line.
+
+The batch ramp (:func:`use_adascale` with ``ramp=optax_adascale.BatchRamp(1, K)``): MaxText's batch is the fixed
+micro-batch, the jitted ``train_step`` is called once per global micro-batch, the optimizer accumulates across
+calls and applies an update when ``k_t`` are in. MaxText's gradient clipping moves into the optimizer (``RAMP``
+turns the step's own off): the gain's ``‖ḡ‖²`` is read from the accumulated gradients, which must be the raw
+ones. The patched ``train_loop`` stops on :func:`done`.
 """
 
 from __future__ import annotations
@@ -15,22 +21,40 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 import optax_adascale
 
 ON = False
+RAMP: optax_adascale.BatchRamp | None = None
 
 
-def use_adascale() -> None:
-    """Turn AdaScale on: the patched ``train_step`` calls the drop-in, ``get_optimizer`` builds AdaScale."""
-    global ON
+def use_adascale(ramp: optax_adascale.BatchRamp | None = None) -> None:
+    """Turn AdaScale on: the patched ``train_step`` calls the drop-in, ``get_optimizer`` builds AdaScale. With
+    ``ramp``, the batch follows the noise: ``accumulation_steps=ramp`` across calls, MaxText's clipping inside."""
+    global ON, RAMP
     from maxtext.optimizers import optimizers
 
-    ON = True
+    ON, RAMP = True, ramp
     if getattr(optimizers.get_optimizer, "_adascale", False):
         return
 
     def get_optimizer(config, learning_rate_schedule, model=None, mesh=None):
+        if RAMP is not None:  # MaxText's clipping, on the accumulated mean as its own accumulation clips, then AdamW
+            clip = [optax.clip_by_global_norm(config.gradient_clipping_threshold)]
+            adamw = [
+                optax.scale_by_adam(
+                    config.adam_b1, config.adam_b2, config.adam_eps, config.adam_eps_root, mu_dtype=config.mu_dtype
+                ),
+                optax.add_decayed_weights(config.adam_weight_decay, optimizers.get_adamw_mask(config)),
+            ]
+            if config.opt_type not in ("adamw", "sgd"):
+                raise NotImplementedError(f"AdaScale wraps opt_type adamw or sgd, got {config.opt_type!r}")
+            inner = optax.chain(
+                *(clip if config.gradient_clipping_threshold > 0 else []),
+                *(adamw if config.opt_type == "adamw" else []),
+            )
+            return optax_adascale.adascale(inner, learning_rate_schedule, accumulation_steps=RAMP)
         if config.opt_type == "adamw":
             return optax_adascale.adascale_adamw(
                 learning_rate_schedule,
@@ -95,6 +119,11 @@ def per_token(diff_wrapper, config, data):
         return value * scale, (dict(aux, xent_sum=aux["xent_sum"] * k), rest)
 
     return loss
+
+
+def done(state, config) -> bool:
+    """The patched ``train_loop``'s stop: ``τ ≥ steps`` with AdaScale on (its loop counts calls), else never."""
+    return ON and optax_adascale.done(state, config.steps)
 
 
 def extra(stats: list[Any]) -> dict[str, Any]:

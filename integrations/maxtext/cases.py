@@ -13,6 +13,7 @@ stays on in all. ``CHECKS``: the check alone, for issue 33's failure cases.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -214,17 +215,172 @@ def table(rows, steps: int) -> str:
     return "\n".join(lines)
 
 
+# The batch ramp (issue 34), on the default case: the same endpoints, 8 → 64 rows (1 → 8 per device), fed one stream
+# of training windows in order through MaxText's data loader; the held-out loss on the same 4 × 64 windows.
+RAMP_MESH = ["shard_mode=auto", "scan_layers=true", *FSDP8]
+RAMP_K = 8  # max micro-batches: MaxText's per_device_batch_size / per_device_batch_size_start
+RAMP_FLAGS = ["--stream", "--eval-rows", "64"]
+MAXTEXT_RAMP = [
+    "per_device_batch_size=8",
+    "enable_rampup_batch_size=true",
+    "per_device_batch_size_start=1",
+    "per_device_batch_size_increment=1",
+]
+
+
+def maxtext_ramp_steps(examples: int, samples: int) -> int:
+    """MaxText's steps to train on ``examples`` rows under its own ramp over ``samples`` (``RampupBatchManager``:
+    ``global_batch_size_current`` per step, 8 → 64 rows in steps of 8)."""
+    from types import SimpleNamespace
+
+    from maxtext.utils.rampup_batch import RampupBatchManager
+
+    config = SimpleNamespace(
+        per_device_batch_size=8,
+        per_device_batch_size_start=1,
+        per_device_batch_size_increment=1,
+        global_rampup_samples=samples,
+        num_target_devices=8,
+    )
+    manager, fed, steps = RampupBatchManager(config, -1), 0, 0
+    while fed < examples:
+        fed += manager.global_batch_size_current
+        manager.update()
+        steps += 1
+    return steps
+
+
+def ramp_rows(steps: int, runs: Path) -> list[dict]:
+    """Every arm of the ramp table: AdaScale's measured ramp, MaxText's linear rule in our mechanism, MaxText's own
+    ``enable_rampup_batch_size`` at the measured ramp's examples (ramp lengths ¼, ½, ¾ of them), fixed S = 8 and
+    S = 64 with AdaScale, and MaxText's own patched ``train_loop`` on the measured ramp and on its own."""
+    micro = [*RAMP_MESH, "per_device_batch_size=1"]
+    ramp = ["--ramp", str(RAMP_K)]
+    out = []
+
+    def row(name, record, kind):
+        out.append({"arm": name, "kind": kind, **{k: v for k, v in record.items() if k not in BULKY}})
+        if record.get("updates_log"):  # the ramp's micro-batches per update, run-length: [[k, updates], ...]
+            calls = [u[0] for u in record["updates_log"]]
+            ks = [b - a for a, b in zip([0, *calls], calls)]
+            out[-1]["k_runs"] = [[k, len(list(g))] for k, g in itertools.groupby(ks)]
+        print(json.dumps(out[-1]), flush=True)
+
+    measured = trial("adascale", steps, runs / "ramp_measured.json", micro, RAMP_FLAGS, ramp)
+    row("AdaScale, measured ramp: BatchRamp(1, 8)", measured, "adascale")
+    examples = measured["examples"]
+    half = examples // 2
+    linear = trial("adascale", steps, runs / "ramp_linear.json", micro, RAMP_FLAGS, [*ramp, "--ramp-linear", str(half)])
+    row(f"AdaScale, MaxText's linear rule over {half} examples: BatchRamp(1, 8, policy=...)", linear, "adascale")
+    for samples in (examples // 4, half, 3 * examples // 4):
+        n = maxtext_ramp_steps(examples, samples)
+        own = trial(
+            "maxtext",
+            n,
+            runs / f"ramp_maxtext_{samples}.json",
+            [*RAMP_MESH, *MAXTEXT_RAMP, f"global_rampup_samples={samples}"],
+            RAMP_FLAGS,
+        )
+        row(f"MaxText's own ramp over {samples} examples (enable_rampup_batch_size), {n} steps", own, "maxtext")
+    fixed_small = trial("adascale", steps, runs / "ramp_fixed_8.json", micro, RAMP_FLAGS)
+    row("AdaScale, fixed S = 8 (S_min)", fixed_small, "adascale")
+    # τ counts base batches of one device's rows: 8 rows here, so T / 8 is the same work in rows as the others' T
+    fixed_large = trial(
+        "adascale", steps // RAMP_K, runs / "ramp_fixed_64.json", [*RAMP_MESH, "per_device_batch_size=8"], RAMP_FLAGS
+    )
+    row(
+        f"AdaScale, fixed S = 64 (S_max), T = {steps // RAMP_K} (base batch 8 rows: T × 8 = {steps} rows of work)",
+        fixed_large,
+        "adascale",
+    )
+    loop = trial("adascale", steps, runs / "ramp_measured_train_loop.json", micro, RAMP_FLAGS, [*ramp, "--train-loop"])
+    row("AdaScale, measured ramp, in MaxText's own patched train_loop", loop, "train_loop")
+    n = maxtext_ramp_steps(examples, half)
+    own_loop = trial(
+        "maxtext",
+        n,
+        runs / "ramp_maxtext_train_loop.json",
+        [*RAMP_MESH, *MAXTEXT_RAMP, f"global_rampup_samples={half}"],
+        RAMP_FLAGS,
+        ["--train-loop"],
+    )
+    row(f"MaxText's own ramp over {half} examples, in its own train_loop, {n} steps", own_loop, "train_loop")
+    return out
+
+
+BULKY = (
+    "loss",
+    "gain",
+    "tau",
+    "step_s",
+    "rows",
+    "updates_log",
+    "mesh",
+    "axis_types",
+    "compile_names",
+    "checks",
+    "acc_grads_specs",
+    "command",
+)
+
+
+def per_device_rows(record: dict) -> int:
+    """The run's ``per_device_batch_size``: AdaScale's base batch is one device's rows (its scale counts them)."""
+    return int([o for o in record["overrides"] if o.startswith("per_device_batch_size=")][-1].split("=")[1])
+
+
+def ramp_table(rows: list[dict]) -> str:
+    lines = [
+        "| arm | optimizer steps | calls of the train step | examples (64-token rows) | held-out loss | "
+        "train-step compiles | τ | S at the end (rows) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r["kind"] == "train_loop":
+            continue
+        tau = f"{r['tau_end']:.0f}" if r["kind"] == "adascale" else "—"
+        rows_end = r["scale_end"] * (per_device_rows(r) if r["kind"] == "adascale" else 1)  # AdaScale: in base batches
+        lines.append(
+            f"| {r['arm']} | {r['updates']} | {r['iterations']} | {r['examples']} | {r['eval']['end']:.3f} | "
+            f"{r['train_step_compiles']} | {tau} | {rows_end:.0f} |"
+        )
+    loops = [r for r in rows if r["kind"] == "train_loop"]
+    lines += [
+        "",
+        "| MaxText's own patched `train_loop` (same stream) | train-step compiles (its ahead-of-time compile "
+        "included) | optimizer steps | calls of the train step | examples (64-token rows) | held-out loss |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in loops:
+        lines.append(
+            f"| {r['arm']} | {r['train_step_compiles']} | {r.get('updates', r['calls'])} | {r['calls']} | "
+            f"{r['examples']} | {r['eval']['end']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80, help="T (MaxText's steps)")
     parser.add_argument("--only", nargs="*", default=None, help="case names (default: all)")
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     parser.add_argument("--fresh", action="store_true", help="re-run every trial (default: reuse runs/)")
+    parser.add_argument(
+        "--ramp", action="store_true", help="the batch-ramp table alone (results.json's ramp section; T = --steps)"
+    )
     args = parser.parse_args()
     global FRESH
     FRESH = args.fresh
     runs = HERE / "runs"
     runs.mkdir(exist_ok=True)
+    if args.ramp:
+        rows = ramp_rows(args.steps, runs)
+        results = json.loads(args.out.read_text()) if args.out.exists() else {}
+        command = f"bash integrations/maxtext/run.sh --ramp --steps {args.steps}"
+        results["ramp"] = {"T": args.steps, "command": command, "rows": rows}
+        args.out.write_text(json.dumps(results, indent=1))
+        print(ramp_table(rows))
+        return 0
     rows = []
     failed = []
     for name in [n for n in args.only or CASES if n in CASES]:
@@ -239,7 +395,9 @@ def main() -> int:
     checks = [check_case(name, runs) for name in [n for n in args.only or CHECKS if n in CHECKS]]
     for row in checks:
         print(json.dumps(row), flush=True)
-    args.out.write_text(json.dumps({"T": args.steps, "rows": rows, "failed": failed, "checks": checks}, indent=1))
+    ramp = json.loads(args.out.read_text()).get("ramp") if args.out.exists() else None  # --ramp's section, kept
+    results = {"T": args.steps, "rows": rows, "failed": failed, "checks": checks}
+    args.out.write_text(json.dumps({**results, **({"ramp": ramp} if ramp else {})}, indent=1))
     print(table(rows, args.steps))
     print(check_table(checks))
     return 0

@@ -14,6 +14,16 @@ so the data shards hold unequal real-token counts. ``--eval-at N``: also the hel
 ``--prng threefry2x32``: dropout keys of that implementation instead of MaxText's hard-coded ``unsafe_rbg``.
 ``--closure``: the drop-in called on a lambda closing over NNX's ``rest`` (no ``state_argnum``), as issue 33's
 reviewer called it, instead of the patch's ``state_argnum=2``.
+
+The batch ramp (issue 34): ``--stream`` feeds one stream of training windows, in order, through MaxText's own data
+loader (``data_loader.load_next_batch(rampup_manager=...)``, as ``train_loop`` calls it), so MaxText's
+``enable_rampup_batch_size`` slices it as it does (``--mode maxtext`` with its overrides). ``--ramp K`` (with
+``--mode adascale``): ``per_device_batch_size`` is the fixed micro-batch, ``accumulation_steps=BatchRamp(1, K)``,
+one call per global micro-batch, the loop stops on ``adascale_maxtext.done`` (the patched ``train_loop``'s
+condition). ``--ramp-linear G``: MaxText's linear rule over ``G`` examples through ``BatchRamp(policy=...)``. The
+held-out windows are then ``--eval-rows`` rows whatever the batch, and the record holds the compiles of the train
+step (JAX's compile events and the jit's cache). ``--train-loop``: MaxText's own patched ``train.train_loop`` instead
+of this loop, fed the same stream.
 """
 
 from __future__ import annotations
@@ -78,6 +88,50 @@ def make_batch(text: np.ndarray, rows: int, length: int, seed: int, unequal: boo
         "targets_position": pos,
         "targets_segmentation": seg,
     }
+
+
+def as_batch(tokens: np.ndarray) -> dict:
+    """MaxText's batch of whole windows (``length + 1`` tokens each, no padding)."""
+    rows, length = tokens.shape[0], tokens.shape[1] - 1
+    seg = np.ones((rows, length), np.int32)
+    pos = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
+    return {
+        "inputs": tokens[:, :-1],
+        "inputs_position": pos,
+        "inputs_segmentation": seg,
+        "targets": tokens[:, 1:],
+        "targets_position": pos,
+        "targets_segmentation": seg,
+    }
+
+
+class WindowStream:
+    """MaxText's data iterator over one stream of training windows: batch ``b`` is windows ``[b·R, (b+1)·R)`` of a
+    fixed permutation of the training split's non-overlapping windows (``R`` the rows MaxText loads per call), so
+    every run reads the same windows in the same order, whatever its batch. ``drawn`` counts the rows handed out."""
+
+    def __init__(self, text: np.ndarray, rows: int, length: int, seed: int = 0):
+        split = int(0.9 * len(text))
+        n = split // (length + 1)
+        self.windows = text[: n * (length + 1)].reshape(n, length + 1).astype(np.int32)
+        self.order = np.random.default_rng(seed).permutation(n)
+        self.rows, self.drawn = rows, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        idx = self.order[np.arange(self.drawn, self.drawn + self.rows) % len(self.order)]
+        self.drawn += self.rows
+        return as_batch(self.windows[idx])
+
+
+def maxtext_linear_rule(k: int, samples: float, rows_per_call: int):
+    """MaxText's ``enable_rampup_batch_size`` rule as a ``BatchRamp`` policy: ``1 + (K − 1)·min(rows seen / G, 1)``
+    micro-batches, floored to the ladder ``1, …, K`` (MaxText adds one increment per ``G/(K − 1)`` rows)."""
+    import jax.numpy as jnp
+
+    return lambda i: 1 + (k - 1) * jnp.minimum(i.microbatches_seen * rows_per_call / samples, 1.0)
 
 
 CHECKS: list[dict] = []
@@ -190,6 +244,95 @@ def model_creation_utils_from_config_with_lora() -> None:
     model_creation_utils.from_config = with_lora
 
 
+def run_train_loop(args, config, recorder) -> int:
+    """MaxText's own ``train.train_loop``, patched, fed the window stream: the patched loop's stop on ``done``, the
+    compiles of its train step (JAX's events: its ahead-of-time compile included), the run's end."""
+    import adascale_maxtext
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.trainers.pre_train import train
+    from maxtext.utils import train_utils
+
+    import optax_adascale
+
+    text, length = corpus(), config.max_target_length
+    found: dict = {}
+    fed: list[int] = []
+    setup = train_utils.setup_train_loop
+
+    def setup_with_stream(*a, **kw):
+        out = setup(*a, **kw)
+        loader = out[7]
+        loader.data_iterator = found["stream"] = WindowStream(text, config.global_batch_size_to_load, length)
+        load = loader.load_next_batch
+
+        def load_and_count(*a, **kw):  # the rows each call of the train step gets (MaxText's ramp slices them)
+            batch = load(*a, **kw)
+            fed.append(int(batch["inputs"].shape[0]))
+            return batch
+
+        loader.load_next_batch = load_and_count
+        found["graphdef"], _ = nnx.split(out[10])
+        found["mesh"], found["sharding"] = out[4], out[7].input_data_shardings
+        return out
+
+    compiles: list[str] = []
+
+    def on_event(event: str, duration: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(str(kw.get("fun_name", "")))
+
+    train_utils.setup_train_loop = setup_with_stream
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    state = train.train_loop(config, recorder)
+    jax.monitoring.unregister_event_duration_listener(on_event)
+    mesh, graphdef = found["mesh"], found["graphdef"]
+
+    @jax.jit
+    def held_out_loss(state, batch):
+        model = nnx.merge(graphdef, state).model
+        aux = train.loss_fn(model, config, batch, None, None, is_train=False)[1]
+        return aux["xent_sum"] / aux["total_weights"]
+
+    rows = args.eval_rows or config.global_batch_size_to_load
+    with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
+        held_out = [
+            jax.device_put(make_batch(text, rows, length, 10_000 + i, False, True), found["sharding"]) for i in range(4)
+        ]
+        loss = float(np.mean([float(held_out_loss(state, b)) for b in held_out]))
+    calls = int(np.asarray(nnx.merge(graphdef, state).optimizer.step.get_value()))
+    record = {
+        "mode": args.mode,
+        "train_loop": True,
+        "overrides": args.overrides,
+        "T": args.steps,
+        "calls": calls,
+        "rows_drawn": found["stream"].drawn,
+        "examples": sum(fed[:calls]),
+        "eval": {"end": loss},
+        "train_step_compiles": sum("train_step" in c for c in compiles),
+        "compile_names": compiles,
+    }
+    if args.mode == "adascale":
+        m = optax_adascale.metrics(state)
+        record.update(
+            updates=int(optax_adascale.get_adascale_state(state).count),
+            tau_end=float(m["scale_invariant_steps"]),
+            scale_end=float(m["scale"]),
+            microbatches_seen=int(m.get("microbatches_seen", calls)),  # no ramp: one micro-batch set per call
+        )
+        adascale_maxtext.ON = False  # the helper's state ends with the run
+    else:
+        record["updates"] = calls  # MaxText: one update per call
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record))
+    print(
+        f"train_loop ({args.mode}): {calls} calls, held-out loss {loss:.3f}, "
+        f"train-step compiles {record['train_step_compiles']}"
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("maxtext", "adascale"), required=True)
@@ -201,6 +344,11 @@ def main() -> int:
     parser.add_argument("--prng", default=None, help="jax_default_prng_impl (MaxText: unsafe_rbg)")
     parser.add_argument("--lora", action="store_true", help="MaxText's LoRA adapters (lora.* overrides) applied")
     parser.add_argument("--closure", action="store_true", help="the drop-in on a lambda closing over rest")
+    parser.add_argument("--stream", action="store_true", help="one window stream through MaxText's data loader")
+    parser.add_argument("--ramp", type=int, default=None, help="AdaScale: BatchRamp(1, K) across calls (K)")
+    parser.add_argument("--ramp-linear", type=float, default=None, help="the ramp: MaxText's rule over G examples")
+    parser.add_argument("--eval-rows", type=int, default=None, help="held-out rows per batch (default: the batch's)")
+    parser.add_argument("--train-loop", action="store_true", help="MaxText's own (patched) train_loop, --stream fed")
     parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides")
     args = parser.parse_args()
 
@@ -215,16 +363,26 @@ def main() -> int:
 
     if args.lora:  # LoRA adapters as MaxText's SFT trainer adds them (lora_utils.apply_lora_to_model, qwix)
         model_creation_utils_from_config_with_lora()
-    if args.mode == "adascale":
-        adascale_maxtext.use_adascale()
-        if args.check or args.closure:
-            optax_adascale.value_and_grad = checked(optax_adascale.value_and_grad, args.closure)
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
     argv = [sys.argv[0], base, "run_name=trial", f"base_output_directory={args.out.parent / 'maxtext_out'}"]
     config, recorder = train.initialize(argv + TINY + [f"steps={args.steps}"] + args.overrides)
+    if args.mode == "adascale":
+        ramp = None
+        if args.ramp is not None:  # the batch follows the noise (or MaxText's linear rule) through one compiled step
+            ramp = optax_adascale.BatchRamp(1, args.ramp)
+            if args.ramp_linear is not None:
+                policy = maxtext_linear_rule(args.ramp, args.ramp_linear, config.global_batch_size_to_train_on)
+                ramp = optax_adascale.BatchRamp(
+                    1, args.ramp, ladder=tuple(range(1, args.ramp + 1)), patience=1, policy=policy
+                )
+        adascale_maxtext.use_adascale(ramp)
+        if args.check or args.closure:
+            optax_adascale.value_and_grad = checked(optax_adascale.value_and_grad, args.closure)
     if args.prng:
         jax.config.update("jax_default_prng_impl", args.prng)  # after train.initialize, which sets unsafe_rbg
-    (_, _, state_mesh_shardings, _, mesh, _, _, data_loader, _, _, state) = train_utils.setup_train_loop(
+    if args.train_loop:
+        return run_train_loop(args, config, recorder)
+    (_, _, state_mesh_shardings, _, mesh, _, _, data_loader, rampup_manager, _, state) = train_utils.setup_train_loop(
         config, recorder
     )
     graphdef, state = nnx.split(state)
@@ -244,7 +402,11 @@ def main() -> int:
     text = corpus()
     rows, length = config.global_batch_size_to_load, config.max_target_length
     put = lambda b: jax.device_put(b, data_loader.input_data_shardings)  # noqa: E731
-    held_out = [put(make_batch(text, rows, length, 10_000 + i, args.unequal, True)) for i in range(4)]
+    eval_rows = args.eval_rows or rows  # the ramps: the same held-out windows whatever the batch
+    held_out = [put(make_batch(text, eval_rows, length, 10_000 + i, args.unequal, True)) for i in range(4)]
+    stream = None
+    if args.stream:  # MaxText's loader reads the stream: one global (micro-)batch per call, sliced by its own ramp
+        stream = data_loader.data_iterator = WindowStream(text, rows, length)
     record = {
         "mode": args.mode,
         "overrides": args.overrides,
@@ -258,34 +420,75 @@ def main() -> int:
         "tau": [],
         "step_s": [],
         "eval": {},
+        "rows": [],
+        "updates_log": [],
     }
+    compiles, in_step = [], [False]  # the train step's XLA compilations, from JAX's compile events
+
+    def on_event(event: str, duration: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration" and in_step[0]:
+            compiles.append(str(kw.get("fun_name", "")))
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
 
     def evaluate(state) -> float:
         with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
             return float(np.mean([float(held_out_loss(state, b)) for b in held_out]))
 
     it = 0
-    while True:
-        if args.mode == "maxtext" and it >= args.steps:
-            break
-        if args.mode == "adascale" and (optax_adascale.done(state, args.steps) or it >= args.steps):
-            break
+    while it < args.steps and not adascale_maxtext.done(state, config):  # the patched train_loop's condition
         if args.eval_at is not None and it == args.eval_at:
             record["eval"][f"it={it}"] = evaluate(state)
-        host_batch = make_batch(text, rows, length, it, args.unequal, False)
-        batch = put(host_batch)
+        if stream is not None:
+            batch = data_loader.load_next_batch(rampup_manager=rampup_manager)  # train_loop's own line
+            host_batch = {"targets_segmentation": np.asarray(batch["targets_segmentation"])}
+        else:
+            host_batch = make_batch(text, rows, length, it, args.unequal, False)
+            batch = put(host_batch)
+        record["rows"].append(int(batch["inputs"].shape[0]))
         t0 = time.perf_counter()
+        in_step[0] = True
         with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
             state, metrics = p_train_step(state, batch)
         jax.block_until_ready(state)
+        in_step[0] = False
         record["step_s"].append(time.perf_counter() - t0)
         record["loss"].append(float(metrics["scalar"]["learning/loss"]))
         if args.mode == "adascale":
             m = optax_adascale.metrics(state)
             record["gain"].append(float(m["gain"]))
             record["tau"].append(float(m["scale_invariant_steps"]))
+            if args.ramp is not None:
+                seen = int(optax_adascale.batch_plan(state)["microbatches_seen"])
+                assert seen == it + 1, f"the loader fed {it + 1} micro-batches, the optimizer saw {seen}"
+                if int(optax_adascale.get_adascale_state(state).micro_step) == 0:  # this call applied an update
+                    keys = ("scale_invariant_steps", "scale", "gain", "noise_scale", "learning_rate")
+                    record["updates_log"].append([it + 1, *(float(m[k]) for k in keys)])
         it += 1
+    jax.monitoring.unregister_event_duration_listener(on_event)
     record["iterations"] = it
+    record["examples"] = int(sum(record["rows"]))
+    record["rows_drawn"] = stream.drawn if stream is not None else record["examples"]
+    record["train_step_compiles"] = len(compiles)
+    record["train_step_cache_size"] = p_train_step._cache_size()  # noqa: SLF001 - the jit's compiled programs
+    if args.mode == "adascale":
+        s = optax_adascale.get_adascale_state(state)
+        record["updates"] = int(s.count)
+        m = optax_adascale.metrics(state)
+        record["scale_end"], record["next_scale"] = float(m["scale"]), float(m.get("next_scale", m["scale"]))
+        record["tau_end"] = float(m["scale_invariant_steps"])
+        if s.acc_grads is not None:  # where MaxText's state shardings put the accumulated gradients: like the params?
+            value = lambda x: getattr(x, "value", x)  # noqa: E731
+            acc = [value(x).sharding.spec for x in jax.tree.leaves(s.acc_grads)]
+            params = [
+                value(x).sharding.spec for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, state).model, nnx.Param))
+            ]
+            record["acc_grads_like_params"] = acc == params
+            record["acc_grads_specs"] = sorted({str(a) for a in acc})
+            record["ramp_scalar_specs"] = sorted({str(value(x).sharding.spec) for x in jax.tree.leaves(s.ramp)})
+    else:
+        record["updates"] = it
+        record["scale_end"] = record["next_scale"] = float(record["rows"][-1])
     record["eval"]["end"] = evaluate(state)
     record["checks"] = CHECKS
     record["total_weights_logged"] = float(metrics["scalar"]["learning/total_weights"])
