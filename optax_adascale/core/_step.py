@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale.core import _checks, _collect, _groups, _norms
+from optax_adascale.core import _collect, _groups, _inner, _norms
 from optax_adascale.core import _estimator as est
 
 Array = jax.Array
@@ -124,45 +124,6 @@ def _learning_rates(update: Update, stats: _Statistics, tau_whole: Array) -> tup
     return lr, step_size, group_steps, finite, finite & (lr < 0)
 
 
-def _run_inner(inner, mean_grads, inner_state, params, extra_args):
-    """``inner`` on the averaged gradient; its new state keeps the old state's dtypes (stable types)."""
-    try:
-        updates, new_state = inner.update(mean_grads, inner_state, params, **extra_args)
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as err:
-        _checks.explain_inner_state_mismatch(inner, inner_state, mean_grads, err)
-        raise
-    if jax.tree.structure(updates) != jax.tree.structure(mean_grads):
-        raise ValueError(
-            "inner must return updates with the structure of the gradients: got "
-            f"{jax.tree.structure(updates)} for gradients {jax.tree.structure(mean_grads)}."
-        )
-    return updates, _keep_dtypes(new_state, inner_state)
-
-
-def _keep_dtypes(new: Any, old: Any) -> Any:
-    """``new`` with ``old``'s dtypes (an inner fed f32 gradients for bf16 params must not widen its state)."""
-    try:
-        return jax.tree.map(lambda x, y: x.astype(y.dtype) if hasattr(x, "astype") else x, new, old)
-    except (ValueError, TypeError):  # inner changed its state's structure: leave it
-        return new
-
-
-def _prefer_state_leaves(updates: Any, new_inner_state: Any, kept_inner_state: Any) -> list[Any]:
-    """Update leaves, each replaced by its selected state twin where it *is* a leaf of the new inner state.
-
-    ``optax.trace`` (non-Nesterov) returns its new momentum as the update. We
-    keep either the new or the old inner state (the skip), so scaling the
-    *selected* momentum is equal whenever the step is taken, and it makes the
-    parameter update consume the state write instead of re-reading the old
-    state: with a donated (in-place) state XLA would otherwise copy the old
-    buffer first, one extra pass per state buffer. Matching is by object
-    identity of the traced arrays, the only link optax leaves between an update
-    and its state.
-    """
-    selected = dict(zip(map(id, jax.tree.leaves(new_inner_state)), jax.tree.leaves(kept_inner_state), strict=True))
-    return [selected.get(id(u), u) for u in jax.tree.leaves(updates)]
-
-
 def _scale_updates(leaves: list[Array], steps: Array, leaf_group: tuple[int, ...], ok: Array) -> list[Array]:
     """``−step_g · u`` per leaf (in float32 or wider, complex kept), zero where the update is skipped."""
 
@@ -189,11 +150,11 @@ def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_a
         lr, step_size, group_steps, lr_finite, negative = _learning_rates(update, stats, state.tau_whole)
         ok = stats.ok & lr_finite & ~negative
         negative = stats.ok & negative  # the reason recorded: non-finite statistics take precedence
-    inner_updates, inner_state = _run_inner(update.inner, mean_grads, state.inner_state, params, extra_args)
+    # The skip's select sits inside inner's update, which reads the kept state: selecting after it made XLA copy
+    # every donated state buffer (Adam's μ and ν) before writing it in place (_inner's docstring says why).
+    inner_updates, kept_inner_state = _inner.run(update.inner, ok, mean_grads, state.inner_state, params, extra_args)
     with jax.named_scope("adascale/scale_updates"):
-        kept_inner_state = optax.tree.where(ok, inner_state, state.inner_state)
-        leaves = _prefer_state_leaves(inner_updates, inner_state, kept_inner_state)
-        scaled = _scale_updates(leaves, group_steps, groups.leaf_group, ok)
+        scaled = _scale_updates(jax.tree.leaves(inner_updates), group_steps, groups.leaf_group, ok)
         new_updates = jax.tree.structure(inner_updates).unflatten(scaled)
     with jax.named_scope("adascale/state"):
         new_state = _next_state(shape, state, stats, lr, step_size, ok, negative)

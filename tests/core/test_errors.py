@@ -495,6 +495,59 @@ def test_non_finite_gradient_in_one_replica_skips_the_step_on_every_replica(bad)
     assert bits_equal(after._replace(**counters), clean_state)
 
 
+def _adam(state):
+    """The ``ScaleByAdamState`` (count, μ, ν) inside an AdaScale state's inner state."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    return next(x for x in jax.tree.leaves(state.inner_state, is_leaf=is_adam) if is_adam(x))
+
+
+@pytest.mark.parametrize("transform", ["vmap", "shard_map"])
+def test_adamw_keeps_adams_state_on_a_skip_and_updates_it_on_a_taken_step(transform):
+    """The skip's select sits inside the inner update (``core/_inner.py``): Adam's count, μ and ν are kept bit for
+    bit on a skipped step, updated as Adam updates them on a taken one, and the step after a skip is the step the
+    skip never happened before."""
+    n, b1, b2 = 4, 0.9, 0.999
+    tx = optax_adascale.adascale_adamw(1e-2, b1=b1, b2=b2, axis_name="i")
+    if transform == "vmap":
+        step = replica_update(tx)
+    else:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("i",))
+
+        def local(grads, state, params):
+            updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+            return jax.tree.map(lambda u: jax.lax.pcast(u, "i", to="varying")[None], updates), state
+
+        sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("i"), P(), P()), out_specs=(P("i"), P())))
+
+        def step(grads, state, params):
+            updates, state = sharded(grads, state, params)
+            return jax.tree.map(lambda u: u[0], updates), state
+
+    state = tx.init(PARAMS)
+    _, state = step(replica_grads(PARAMS, n, 0), state, PARAMS)
+    grads = replica_grads(PARAMS, n, 1)
+    taken_updates, taken = step(grads, state, PARAMS)
+    before, after = _adam(state), _adam(taken)
+    assert int(after.count) == int(before.count) + 1 and int(taken.skipped_steps) == 0
+    mean = jax.tree.map(lambda g: g.mean(0), grads)
+    for name in PARAMS:
+        np.testing.assert_allclose(after.mu[name], b1 * before.mu[name] + (1 - b1) * mean[name], rtol=1e-6)
+        np.testing.assert_allclose(after.nu[name], b2 * before.nu[name] + (1 - b2) * mean[name] ** 2, rtol=1e-6)
+    assert all(bool(jnp.all(u != 0)) for u in jax.tree.leaves(taken_updates))
+
+    poisoned = replica_grads(PARAMS, n, 1)
+    poisoned["w"] = poisoned["w"].at[1, 0, 1].set(np.nan)
+    updates, skipped = step(poisoned, state, PARAMS)
+    assert_skipped(state, skipped, updates)  # the whole state, Adam's count, μ and ν included, bit for bit
+    assert bits_equal(_adam(skipped), before)
+
+    # The step after the skip is the step from the state the skip kept.
+    updates, after_skip = step(grads, skipped, PARAMS)
+    assert bits_equal(updates, taken_updates)
+    counters = dict(skipped_steps=taken.skipped_steps, skip_streak=taken.skip_streak)
+    assert bits_equal(after_skip._replace(**counters), taken)
+
+
 def test_non_finite_gradient_under_shard_map_gives_replicated_zero_updates():
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
     tx = optax_adascale.adascale_sgd(0.1, axis_name="i")
