@@ -6,8 +6,10 @@
 * The data-parallel MLP (:func:`init_mlp`, :func:`mlp_loss`, :func:`synthetic_batches`) and the tensor-parallel
   one (``TP_*``: a ``(data=4, model=2)`` mesh, weights split over ``model``).
 * :func:`run_example`: an example script in a fresh interpreter.
+* :func:`backend_compiles`: the XLA compilations while a block runs (JAX's monitoring events).
 """
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -187,3 +189,20 @@ def assert_trees_equal(actual, expected) -> None:
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+@contextlib.contextmanager
+def backend_compiles(name: str = ""):
+    """The XLA compilations (JAX's events) of functions whose name contains ``name`` while the block runs."""
+    seen: list[str] = []
+
+    def listener(event, duration, **kw):
+        del duration
+        if event == "/jax/core/compile/backend_compile_duration" and name in str(kw.get("fun_name", "")):
+            seen.append(kw["fun_name"])
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

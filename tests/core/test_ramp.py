@@ -8,14 +8,12 @@
 * The estimator with a traced ``n`` is the formula; AdamW ramps too; the readers; the refusals.
 """
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import bits_equal
+from helpers import backend_compiles, bits_equal
 
 import optax_adascale
 from optax_adascale.core import _ramp
@@ -278,23 +276,6 @@ def test_a_scheduled_ramp_is_fixed_k_optimizers_carried_over_by_transfer_state()
     for key in ("gain", "scale_invariant_steps", "grad_var", "grad_sqr", "scale"):
         close(m[key], ref[key])
     assert float(m["scale"]) == float(ref["scale"])
-
-
-@contextlib.contextmanager
-def backend_compiles(name):
-    """The XLA compilations of functions whose name contains ``name`` while the block runs (JAX's events)."""
-    seen = []
-
-    def listener(event, duration, **kw):
-        del duration
-        if event == "/jax/core/compile/backend_compile_duration" and name in str(kw.get("fun_name", "")):
-            seen.append(kw["fun_name"])
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_a_whole_measured_ramp_from_the_lowest_rung_to_the_highest_compiles_once():

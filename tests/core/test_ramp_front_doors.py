@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import DIM, init_mlp, mlp_loss, synthetic_batches
+from helpers import DIM, backend_compiles, init_mlp, mlp_loss, synthetic_batches
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,23 +40,6 @@ def make_tx(axis_name):
 def data():
     x, y = synthetic_batches(CALLS, R, ROWS)  # call c, replica r
     return x, y
-
-
-@contextlib.contextmanager
-def backend_compiles(name=""):
-    """The XLA compilations (JAX's events) of functions whose name contains ``name`` while the block runs."""
-    seen = []
-
-    def listener(event, duration, **kw):
-        del duration
-        if event == "/jax/core/compile/backend_compile_duration" and name in str(kw.get("fun_name", "")):
-            seen.append(kw["fun_name"])
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def loop(step, params, state, put=lambda c, x, y: (x, y), later=None):
