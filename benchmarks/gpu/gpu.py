@@ -29,7 +29,7 @@ Six cases, each a function; one JSON file with every result (``--out``) and a "g
   profile   the AdaScale update inside the compiled LM step (its entry computation without the
             micro-batch loop, where the forward and backward passes run): fusions by bytes (result
             plus operand sizes read off the HLO text), tagged with the package's scopes
-            (adascale/reduce, statistics, learning_rate, scale_updates, state), against the same
+            (adascale/reduce, statistics, learning_rate, inner, scale_updates, state), against the same
             for the SGD step. With ``--profile DIR`` the lm case also writes a ``jax.profiler`` trace
             of three adascale steps; its kernels carry the fusion names of this table.
 
@@ -536,6 +536,7 @@ SCOPES = (
     "adascale/reduce",
     "adascale/statistics",
     "adascale/learning_rate",
+    "adascale/inner",
     "adascale/scale_updates",
     "adascale/state",
 )

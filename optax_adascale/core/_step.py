@@ -152,7 +152,10 @@ def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_a
         negative = stats.ok & negative  # the reason recorded: non-finite statistics take precedence
     # The skip's select sits inside inner's update, which reads the kept state: selecting after it made XLA copy
     # every donated state buffer (Adam's μ and ν) before writing it in place (_inner's docstring says why).
-    inner_updates, kept_inner_state = _inner.run(update.inner, ok, mean_grads, state.inner_state, params, extra_args)
+    with jax.named_scope("adascale/inner"):
+        inner_updates, kept_inner_state = _inner.run(
+            update.inner, ok, mean_grads, state.inner_state, params, extra_args
+        )
     with jax.named_scope("adascale/scale_updates"):
         scaled = _scale_updates(jax.tree.leaves(inner_updates), group_steps, groups.leaf_group, ok)
         new_updates = jax.tree.structure(inner_updates).unflatten(scaled)
