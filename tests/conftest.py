@@ -40,6 +40,18 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
 
+# The studies' smoke runs and report rebuilds (tests/test_benchmarks.py, marked ``study_smoke``) check that each
+# study's script runs and writes its report; on JAX >= 0.11 they take about a fifth of the suite's CPU time
+# (about 265 CPU-s, mostly compiling).
+# CI runs them on its oldest JAX and sets OPTAX_ADASCALE_SKIP_STUDY_SMOKES=1 for the two newer ones (.ci/run);
+# a plain `pytest` runs them.
+SKIP_STUDY_SMOKES = os.environ.get("OPTAX_ADASCALE_SKIP_STUDY_SMOKES") == "1"
+
+
+def pytest_runtest_setup(item):
+    if SKIP_STUDY_SMOKES and item.get_closest_marker("study_smoke"):
+        pytest.skip("a study's smoke run: CI runs these on its oldest JAX only (OPTAX_ADASCALE_SKIP_STUDY_SMOKES=1)")
+
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):

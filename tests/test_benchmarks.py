@@ -45,6 +45,7 @@ PLOTS_SCALING = (
 )
 
 
+@pytest.mark.study_smoke
 def test_scaling_benchmark_smoke_writes_report_and_plots(tmp_path):
     run_study("scaling", "--smoke", "--out", tmp_path)
 
@@ -76,6 +77,7 @@ PLOTS_ADAM = ("adam_curves.png", "adam_gain.png", "adam_lr.png")
 METHODS_ADAM = ("AS-a", "AS-b", "AS-c", "AS-c'", "sqrt", "LSW")
 
 
+@pytest.mark.study_smoke
 def test_adam_benchmark_smoke_writes_report_and_plots(tmp_path):
     results = tmp_path / "README.md"
     run_study("adam", "--smoke", "--cache", tmp_path / "cache", "--results", results)
@@ -141,6 +143,7 @@ def _finite_ratios(row):
     assert all(ms > 0 for ms in row["median_ms"].values())
 
 
+@pytest.mark.study_smoke
 def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
     out = tmp_path / "gpu.json"
     run_study("gpu", "--smoke", "--no-peer", "--variants", "adascale", "--rounds", "2", "--out", out)
@@ -194,6 +197,7 @@ def _table_rows(section: str, first_cell: str) -> list[list[str]]:
     return [r for r in rows if r and r[0] == first_cell]
 
 
+@pytest.mark.study_smoke
 def test_estimator_smoke_tables_agree_with_each_other(tmp_path):
     run_study("estimator", "--smoke", "--out", tmp_path)
     text = (tmp_path / "README.md").read_text()
@@ -226,6 +230,7 @@ def test_the_estimator_study_names_the_package_default():
     assert optax_adascale.Estimator(**options) == optax_adascale.Estimator()
 
 
+@pytest.mark.study_smoke
 def test_the_committed_estimator_report_is_rebuilt_from_the_committed_cells(tmp_path):
     # The study's cells are committed: --report runs nothing and must give the committed section's tables.
     committed = (ROOT / "benchmarks" / "estimator" / "README.md").read_text()
@@ -257,6 +262,7 @@ def _fixed_rule_rows_are_consistent(section: str, adascale: str, total_steps: in
         assert row[3] and (method == adascale or row[4]), row  # Δ vs S = 1, and vs AdaScale for the others
 
 
+@pytest.mark.study_smoke
 def test_large_batch_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
     run_study("large_batch", "--smoke", "--out", tmp_path)
     section = (tmp_path / "README.md").read_text().split("### digits MLP")[1]
@@ -267,6 +273,7 @@ def test_large_batch_smoke_stretches_every_rule_to_adascales_iterations(tmp_path
     assert not (tmp_path / ".cache").exists()  # smoke mode caches nothing
 
 
+@pytest.mark.study_smoke
 def test_fair_adam_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
     results = tmp_path / "README.md"
     run_study("adam.fair", "--smoke", "--cache", tmp_path / "cache", "--results", results)
@@ -282,6 +289,7 @@ def test_fair_adam_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
 # --------------------------------------------------------------------------- ramp
 
 
+@pytest.mark.study_smoke
 def test_ramp_smoke_writes_every_arm_the_goals_and_the_proxy(tmp_path):
     results = tmp_path / "README.md"
     run_study("ramp", "--smoke", "--cache", tmp_path / "cells", "--results", results)
@@ -295,6 +303,7 @@ def test_ramp_smoke_writes_every_arm_the_goals_and_the_proxy(tmp_path):
         assert (tmp_path / "plots" / name).stat().st_size > 0 and f"plots/{name}" in section
 
 
+@pytest.mark.study_smoke
 def test_the_committed_ramp_report_is_rebuilt_from_the_committed_cells(tmp_path):
     # The study's cells are committed: --report runs nothing and must give the committed section's tables.
     committed = (ROOT / "benchmarks" / "ramp" / "README.md").read_text()
@@ -320,6 +329,7 @@ def test_the_ramp_study_names_the_package_default():
 # --------------------------------------------------------------------------- many small leaves
 
 
+@pytest.mark.study_smoke
 def test_leaves_smoke_times_every_case_and_writes_the_report(tmp_path):
     out = tmp_path / "leaves.json"
     run_study("leaves", "--smoke", "--out", out)
