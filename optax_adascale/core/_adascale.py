@@ -6,7 +6,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale.core import _accumulate, _checks, _collect, _groups, _norms, _options, _ramp, _read, _samples, _step
+from optax_adascale.core import (
+    _accumulate,
+    _axes,
+    _checks,
+    _collect,
+    _groups,
+    _norms,
+    _options,
+    _ramp,
+    _read,
+    _samples,
+    _step,
+)
 from optax_adascale.core._samples import MicrobatchStats
 
 Array = jax.Array
@@ -142,7 +154,7 @@ def _update(
     _checks.check_grads(grads, params)
     _checks.check_has_leaves(grads, "grads")
     groups = _groups.resolve_groups(collection.param_labels, grads if params is None else params)
-    axes = _collect.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
+    axes = _axes.resolve_axes(collection.axis_name, grads, params, collection.param_specs)
     ramp = collection.ramp
     k: Any = accumulation_steps(collection, state) if ramp is None else None
     keys = _collect.statistic_keys(groups, axes.model, grads)
@@ -173,7 +185,7 @@ def _update(
 
     if ramp is None and k == 1:
         return step(grads, local_sq, state)
-    _collect.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
+    _axes.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
     new_updates, new_state = _accumulate.accumulate(k, grads, local_sq, state, step)
     if ramp is not None:  # every call: the loader's position, and the samples per call (for the readers)
         new_state = new_state._replace(

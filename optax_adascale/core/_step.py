@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale.core import _collect, _groups, _inner, _norms
+from optax_adascale.core import _axes, _groups, _inner, _norms
 from optax_adascale.core import _estimator as est
 
 Array = jax.Array
@@ -41,7 +41,7 @@ class Shape(NamedTuple):
     """
 
     groups: _groups.Groups
-    axes: _collect.Axes
+    axes: _axes.Axes
     n: Any
     S: Any
 

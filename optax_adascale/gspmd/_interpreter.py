@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _auto, _custom, _layout, _local, _plan
+from optax_adascale.gspmd import _auto, _copies, _custom, _layout, _local, _plan
 from optax_adascale.gspmd._layout import Layout
 
 # --------------------------------------------------------------------------- the probe
@@ -301,7 +301,7 @@ class Interpreter:
     def shard_map(self, eqn, invals, lineage=None):
         """A ``shard_map`` in the loss taking ``reduced`` inputs (parameters). Over manual axes the rows are split
         over, each device's block is its own copy: the input goes in as the stacked copies, a block per device,
-        whose cotangents come back as the per-device partials (``_local.copies``). Over other manual axes (a
+        whose cotangents come back as the per-device partials (``_copies.copies``). Over other manual axes (a
         model axis) it goes in ``reduced``, its in spec saying so."""
         if not any(_layout.reduced_axes(x) for x in invals):
             return self.bind(eqn, invals)
@@ -314,7 +314,7 @@ class Interpreter:
             red = _layout.reduced_axes(x)
             per_device = red & manual & self.rows
             if per_device:
-                copies, entry = _local.copies(self.layout, x, per_device)
+                copies, entry = _copies.copies(self.layout, x, per_device)
                 args.append(copies)
                 in_specs.append(P(entry, *spec))
             else:

@@ -10,16 +10,14 @@ otherwise :func:`local` raises a ``ValueError`` saying how to write that step of
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_adascale.gspmd import _layout, _rows
+from optax_adascale.gspmd import _copies, _layout, _rows
 from optax_adascale.gspmd._layout import Layout
 
 CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -83,7 +81,7 @@ def elementwise_by_row_shard(interp: Any, eqn, invals) -> Any:
             x = x.reshape((1,) * len(out_shape)) if not jnp.ndim(x) else x
             if x.shape[d] != 1:
                 return None
-            stack, _ = copies(layout, x, data)  # (n, *x.shape), a copy per data shard
+            stack, _ = _copies.copies(layout, x, data)  # (n, *x.shape), a copy per data shard
             parts = _layout.partitions(x)
             stack = jnp.moveaxis(stack, 0, d)  # (.., n, 1, ..): dim d + 1 is x's own size-1 dimension
             return stack.reshape(
@@ -211,7 +209,7 @@ class _LocalVJP:
         outs = self.interp.bind(self.eqn, plain)
         outs = list(outs) if self.eqn.primitive.multiple_results else [outs]
         if self.keep_reduced:
-            outs = [_as_reduced(o, self.interp.rows) for o in outs]
+            outs = [_copies.as_reduced(o, self.interp.rows) for o in outs]
         return tuple(outs), tuple(plain)
 
     def _vjp_fn(self):
@@ -287,7 +285,7 @@ def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: 
     args, specs, kinds = [], [], []
     for x in [*plain, *cts]:
         if hasattr(x, "shape") and _layout.unreduced_axes(x) & data:
-            args.append(_stack(layout, x))
+            args.append(_copies.stack_partials(layout, x))
             specs.append(P(entry))
             kinds.append("partial")
         elif (spec := row_spec(x)) is not None:
@@ -312,7 +310,7 @@ def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: 
     out = []
     for g, x, r, spec in zip(grads, plain, red, out_specs, strict=True):
         if r:
-            out.append(_unstack(layout, g, x))  # a reduced input: each device's partial
+            out.append(_copies.unstack_partials(layout, g, x))  # a reduced input: each device's partial
         elif spec == P(entry):
             out.append(jnp.sum(g, axis=0))  # a replicated input: the reduction JAX's own transpose would do
         else:
@@ -321,8 +319,8 @@ def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: 
 
 
 def _per_shard_vmap(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
-    res = [_Stacked.of(layout, x) for x in plain]
-    cot = [_Stacked.of(layout, c) for c in cts]
+    res = [_copies.Stacked.of(layout, x) for x in plain]
+    cot = [_copies.Stacked.of(layout, c) for c in cts]
     axes = [0 if r.stacked else None for r in res]
 
     def per_shard(res_vals, ct_vals):
@@ -339,7 +337,7 @@ def _per_shard_vmap(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: 
     out = []
     for g, x, r, rs in zip(grads, plain, red, res, strict=True):
         if r:
-            out.append(_unstack(layout, g, x))  # a reduced input: each shard's partial
+            out.append(_copies.unstack_partials(layout, g, x))  # a reduced input: each shard's partial
         elif rs.stacked:
             out.append(rs.unstack(g))  # a data-sharded input: its rows back in place
         else:
@@ -355,102 +353,3 @@ def custom_refusal() -> str:
         "first (jax.reshard(w, P(...)) without the data axes) and apply the function to the result, or keep that "
         "parameter replicated over the data axes."
     )
-
-
-@dataclasses.dataclass
-class _Stacked:
-    """A value as the per-shard ``vmap`` sees it: stacked on a leading axis of size ``shards``, or whole."""
-
-    value: Any
-    stacked: bool
-    dim: int = -1
-    like: Any = None
-
-    @classmethod
-    def of(cls, layout: Layout, x: Any) -> _Stacked:
-        data = frozenset(layout.data)
-        if not hasattr(x, "shape"):
-            return cls(x, False)
-        if _layout.unreduced_axes(x) & data:  # each shard's partial
-            return cls(_stack(layout, x), True, like=x)
-        if not jnp.ndim(x):
-            return cls(x, False)
-        parts = _layout.partitions(x)
-        for d, entry in enumerate(parts):
-            axes = _layout.spec_axes(entry)
-            if axes[: len(layout.data)] == layout.data:
-                rest = axes[len(layout.data) :]
-                shape = x.shape[:d] + (layout.shards, x.shape[d] // layout.shards) + x.shape[d + 1 :]
-                spec = (*parts[:d], layout.data_spec, (rest[0] if len(rest) == 1 else rest) or None, *parts[d + 1 :])
-                y = x.reshape(shape, out_sharding=P(*spec))
-                return cls(jnp.moveaxis(y, d, 0), True, d, x)
-            if data & set(axes):
-                raise ValueError(
-                    f"value_and_grad(data_axes={layout.data_spec!r}): an operand sharded {P(*parts)} splits the data "
-                    "axes in an order the drop-in cannot take apart per shard; shard the batch dimension over the "
-                    "data axes first (in mesh order)."
-                )
-        return cls(x, False)
-
-    def unstack(self, g: Any) -> Any:
-        """Per-shard cotangents ``(shards, ...)`` back into the rows of the original operand."""
-        y = jnp.moveaxis(g, 0, self.dim)
-        shape = self.like.shape
-        return y.reshape(shape, out_sharding=P(*_layout.partitions(self.like)))
-
-
-def copies(layout: Layout, x: Any, axes: frozenset[str]) -> tuple[Any, Any]:
-    """A ``reduced`` value as its copies stacked on a new leading axis split over ``axes`` (one block per device
-    along them), and that axis's spec entry. The cotangent of the stack, each device's own, comes back as the
-    value's ``unreduced`` partial."""
-    order = tuple(a for a in layout.axis_names if a in axes)
-    entry = order[0] if len(order) == 1 else order
-    n = int(np.prod([layout.size(a) for a in order]))
-    parts = _layout.partitions(x)
-    reduced = _layout.reduced_axes(x)
-
-    @jax.custom_vjp
-    def stack(v):
-        plain = _layout.plain(v)
-        return jax.reshard(jnp.broadcast_to(plain[None], (n, *plain.shape)), P(entry, *parts))
-
-    def fwd(v):
-        return stack(v), None
-
-    def bwd(_, ct):
-        u = jax.shard_map(
-            lambda b: b[0],
-            mesh=layout.mesh,
-            in_specs=P(entry, *parts),
-            out_specs=P(*parts, unreduced=frozenset(order)),
-            check_vma=False,
-        )(ct)
-        return (_layout.fill_partial(layout, u, reduced - frozenset(order)),)
-
-    stack.defvjp(fwd, bwd)
-    return stack(x), entry
-
-
-def _stack(layout: Layout, u: Any) -> Any:
-    """An ``unreduced`` array as ``(shards, *shape)``, row ``i`` data shard ``i``'s partial."""
-    spec_out = P(layout.data_spec, *(_layout.strip(e, frozenset(layout.data)) for e in _layout.partitions(u)))
-    return jax.shard_map(
-        lambda b: b[None], mesh=layout.mesh, in_specs=_layout.partial_spec(u), out_specs=spec_out, check_vma=False
-    )(u)
-
-
-def _unstack(layout: Layout, st: Any, like: Any) -> Any:
-    """``(shards, *shape)`` rows back into one ``unreduced`` array typed like ``like`` (over the other axes)."""
-    parts = _layout.partitions(like)
-    data = frozenset(layout.data)
-    spec_in = P(layout.data_spec, *(_layout.strip(e, data) for e in parts))
-    return jax.shard_map(
-        lambda b: b[0], mesh=layout.mesh, in_specs=spec_in, out_specs=P(*parts, unreduced=data), check_vma=False
-    )(st)
-
-
-def _as_reduced(x: Any, rows: frozenset[str]) -> Any:
-    """A floating output replicated over the row axes as ``reduced`` over them (its cotangent stays each copy's)."""
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and not rows & _layout.axes_of(x):
-        return jax.reshard(x, P(*_layout.partitions(x), reduced=rows))
-    return x

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale.core import _collect, _norms, _samples, _step
+from optax_adascale.core import _axes, _collect, _norms, _samples, _step
 from optax_adascale.sharding import _tensor, _zero
 
 
@@ -49,7 +49,7 @@ class AllReduce:
             )
         return self
 
-    def check(self, axes: _collect.Axes, state: Any, params: Any) -> None:
+    def check(self, axes: _axes.Axes, state: Any, params: Any) -> None:
         del axes, state, params
 
     def step(
@@ -90,7 +90,7 @@ class ZeroRows:
     def for_samples(self, samples: _samples.Samples) -> ZeroRows | FsdpRows:
         return FsdpRows(self.num_replicas) if samples.rows else self
 
-    def check(self, axes: _collect.Axes, state: Any, params: Any) -> None:
+    def check(self, axes: _axes.Axes, state: Any, params: Any) -> None:
         _check_rows(self.num_replicas, axes, state)
         # FSDP rows (fsdp_shard, placed with P(axis)) are (1, m) slices varying over the data axes;
         # replicated parameters, pcast or not, keep their own shapes.
@@ -137,7 +137,7 @@ class FsdpRows:
 
     num_replicas: int
 
-    def check(self, axes: _collect.Axes, state: Any, params: Any) -> None:
+    def check(self, axes: _axes.Axes, state: Any, params: Any) -> None:
         _check_rows(self.num_replicas, axes, state)
         if params is None:
             raise ValueError(
@@ -154,7 +154,7 @@ class FsdpRows:
         return jax.tree.map(lambda u, g: jnp.reshape(u, g.shape), row_updates, local_grads), new_state
 
 
-def _check_rows(num_replicas: int, axes: _collect.Axes, state: Any) -> None:
+def _check_rows(num_replicas: int, axes: _axes.Axes, state: Any) -> None:
     # Traced under optax.inject_hyperparams (an int of the factory made an array): n is the axes' size here.
     if isinstance(num_replicas, int) and axes.replicas != num_replicas:
         raise ValueError(
