@@ -6,7 +6,7 @@ import jax
 import optax
 
 from optax_adascale._factories import adascale
-from optax_adascale.core import _checks, _options
+from optax_adascale.core import _checks, _clock, _options
 from optax_adascale.core._ramp import BatchRamp
 
 
@@ -30,6 +30,20 @@ def _decayed_weights(weight_decay: Any) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+TAU_CLOCK = "tau"
+UPDATE_CLOCK = "update"
+DEFAULT_CLOCK = UPDATE_CLOCK
+
+
+def _resolve_clock(clock: str | None, estimator: Any) -> str:
+    """``clock``: ``"tau"`` (the moment averages count base-batch steps, ``core/_clock``) or ``"update"`` (the
+    paper's and FairScale's: they decay per update); ``None``: the default, ``"update"`` with FairScale's estimator."""
+    if clock is None:
+        return UPDATE_CLOCK if isinstance(estimator, str) and estimator == "fairscale" else DEFAULT_CLOCK
+    _checks.check_choice("clock", clock, (TAU_CLOCK, UPDATE_CLOCK))
+    return clock
+
+
 def adascale_sgd(
     learning_rate: optax.ScalarOrSchedule,
     momentum: float | None = None,
@@ -40,6 +54,7 @@ def adascale_sgd(
     accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
+    clock: str | None = None,
     **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around SGD with PyTorch's semantics (FairScale's ``AdaScale(SGD(...))``).
@@ -90,7 +105,10 @@ def adascale_sgd(
     _checks.check_number("weight_decay", weight_decay, low=0.0)
     parts = [_decayed_weights(weight_decay)]
     if momentum is not None:
-        parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+        if _resolve_clock(clock, estimator) == TAU_CLOCK:
+            parts.append(_clock.trace(decay=momentum, nesterov=nesterov))
+        else:
+            parts.append(optax.trace(decay=momentum, nesterov=nesterov))
     return adascale(
         optax.chain(*parts),
         learning_rate,
@@ -117,6 +135,7 @@ def adascale_adamw(
     accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
+    clock: str | None = None,
     **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around AdamW (experimental): ``optax.adamw``'s keywords, the gain from the raw gradients.
@@ -168,8 +187,9 @@ def adascale_adamw(
       >>> print(updates.round(6))
       [-0.002 -0.002]
     """
+    adam = _clock.scale_by_adam if _resolve_clock(clock, estimator) == TAU_CLOCK else optax.scale_by_adam
     inner = optax.chain(
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
+        adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
         optax.add_decayed_weights(weight_decay, mask),
     )
     return adascale(

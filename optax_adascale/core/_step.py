@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale.core import _axes, _groups, _inner, _norms
+from optax_adascale.core import _axes, _clock, _groups, _inner, _norms
 from optax_adascale.core import _estimator as est
 
 Array = jax.Array
@@ -153,8 +153,12 @@ def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_a
     # The skip's select sits inside inner's update, which reads the kept state: selecting after it made XLA copy
     # every donated state buffer (Adam's μ and ν) before writing it in place (_inner's docstring says why).
     with jax.named_scope("adascale/inner"):
+        inner_args = extra_args
+        if not (isinstance(shape.n, int) and shape.n == 1):  # the τ clock's inners read the gain (core/_clock)
+            tau = state.tau_whole.astype(jnp.float32) + state.tau_frac
+            inner_args = dict(extra_args, **{_clock.GAIN: stats.gain, _clock.TAU: tau})
         inner_updates, kept_inner_state = _inner.run(
-            update.inner, ok, mean_grads, state.inner_state, params, extra_args
+            update.inner, ok, mean_grads, state.inner_state, params, inner_args
         )
     with jax.named_scope("adascale/scale_updates"):
         scaled = _scale_updates(jax.tree.leaves(inner_updates), group_steps, groups.leaf_group, ok)
