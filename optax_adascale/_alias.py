@@ -6,7 +6,7 @@ import jax
 import optax
 
 from optax_adascale._factories import adascale
-from optax_adascale.core import _checks, _options
+from optax_adascale.core import _checks, _keeps_state, _options
 from optax_adascale.core._ramp import BatchRamp
 
 
@@ -90,9 +90,9 @@ def adascale_sgd(
     _checks.check_number("weight_decay", weight_decay, low=0.0)
     parts = [_decayed_weights(weight_decay)]
     if momentum is not None:
-        parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+        parts.append(_keeps_state.trace(decay=momentum, nesterov=nesterov))
     return adascale(
-        optax.chain(*parts),
+        _keeps_state.keeps_state(optax.chain(*parts)),
         learning_rate,
         axis_name=axis_name,
         accumulation_steps=accumulation_steps,
@@ -168,9 +168,11 @@ def adascale_adamw(
       >>> print(updates.round(6))
       [-0.002 -0.002]
     """
-    inner = optax.chain(
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
-        optax.add_decayed_weights(weight_decay, mask),
+    inner = _keeps_state.keeps_state(
+        optax.chain(
+            _keeps_state.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
+            optax.add_decayed_weights(weight_decay, mask),
+        )
     )
     return adascale(
         inner,
