@@ -209,3 +209,13 @@ def custom_call_bind_params(
         bwd = lu.wrap_init(bwd_fn, debug_info=subfuns[2].debug_info)
     params["subfuns"] = (fun, lu.wrap_init(fwd, debug_info=subfuns[1].debug_info), bwd)
     return params
+
+
+# --------------------------------------------------------------------------- core reads (issue 39, house-core)
+# The reads the optimizer's own modules make (core/, the state readers), outside the drop-in's jaxpr walks.
+
+
+def is_tracer(value: Any) -> bool:
+    """Whether ``value`` is traced (an abstract value under ``jit``, ``grad``, ``vmap``...), not a concrete one:
+    ``jax.core.Tracer``. A check of a hyperparameter's value runs only where it is concrete."""
+    return isinstance(value, jax.core.Tracer)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_adascale import _compat
 from optax_adascale.core import _checks, _read
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.core._ramp import RampState
@@ -131,7 +132,7 @@ def _check_structural_hyperparams(hyperparams: Mapping[str, Any], inside: Any) -
     """``accumulation_steps`` under ``optax.inject_hyperparams`` is an entry of ``opt_state.hyperparams`` but shapes
     the state: with no accumulation buffers it is 1, and setting it to anything else would change nothing."""
     value = hyperparams.get("accumulation_steps")
-    if value is None or isinstance(value, jax.core.Tracer):
+    if value is None or _compat.is_tracer(value):
         return
     found: list[AdaScaleState] = []
     _search(inside, found)

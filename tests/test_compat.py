@@ -126,3 +126,15 @@ def test_custom_call_bind_params_rebinds_a_custom_call_through_an_evaluator(kind
     assert float(value) == pytest.approx(np.sin(0.5))
     assert float(grad) == pytest.approx(7.0)  # the rule survived
     assert evaluated  # the traced jaxprs ran through the evaluator
+
+
+# --------------------------------------------------------------------------- core reads
+
+
+def test_is_tracer_tells_a_traced_value_from_a_concrete_one():
+    seen = []
+    jax.jit(lambda x: seen.append(_compat.is_tracer(x)) or x)(1.0)
+    jax.vmap(lambda x: seen.append(_compat.is_tracer(x)) or x)(jnp.ones(2))
+    jax.grad(lambda x: seen.append(_compat.is_tracer(x)) or x)(1.0)
+    assert seen == [True, True, True]
+    assert not any(_compat.is_tracer(v) for v in (1.0, np.float32(1.0), jnp.ones(2), None, "x"))
