@@ -209,7 +209,7 @@ def _check_ramp_state(state: AdaScaleState) -> None:
 def _decide(ramp: _ramp.BatchRamp, old: AdaScaleState, new: AdaScaleState, per_microbatch: int) -> AdaScaleState:
     """The controller after an update (applied, or skipped: then nothing moves); replicated scalars only."""
     total = lambda v: jnp.sum(jnp.stack([jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(v)]))  # noqa: E731
-    noise = _read.noise_ratio(total(new.grad_var), total(new.grad_sqr))
+    noise, _ = _read.noise_scale(total(new.grad_var), total(new.grad_sqr), new.count > 0)
     inputs = _ramp.RampInputs(
         tau=new.tau_whole.astype(jnp.float32) + new.tau_frac,
         updates=new.count,

@@ -331,13 +331,14 @@ def test_readers_say_where_the_loader_stands():
     assert {k: int(v) for k, v in plan.items()} == {
         "microbatches": 3,
         "remaining": 3,
-        "scale": 0,
+        "next_scale": 0,
+        "scale": 0,  # deprecated: next_scale's value
         "microbatches_seen": 0,
     }
     for call in range(4):
         _, state = step(noisy_grads(call), state, PARAMS)
     plan = {k: int(v) for k, v in optax_adascale.batch_plan(state).items()}
-    assert plan == {"microbatches": 3, "remaining": 2, "scale": 6, "microbatches_seen": 4}
+    assert plan == {"microbatches": 3, "remaining": 2, "next_scale": 6, "scale": 6, "microbatches_seen": 4}
     m = optax_adascale.metrics(state)
     assert int(m["microbatches"]) == 3 and int(m["next_scale"]) == 6 and int(m["microbatches_seen"]) == 4
     assert float(m["scale"]) == 6  # the last update's S
