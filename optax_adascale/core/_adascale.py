@@ -168,7 +168,7 @@ def _update(
         n = axes.replicas * k * samples.count
         S = _scale(collection, n, axes.replicas)
         if n == 1 and collection.axis_name is None and microbatch_stats is None:
-            _collect.warn_if_partitioned(grads)
+            _axes.warn_if_partitioned(grads)
     else:  # k_t is traced: one program for every rung; S_t = n_t
         _check_ramp_state(state)
         per_microbatch = axes.replicas * samples.count

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale.core import _checks, _collect, _norms, _options, _read
+from optax_adascale.core import _axes, _checks, _norms, _options, _read
 from optax_adascale.core import _estimator as est
 from optax_adascale.core._samples import MicrobatchStats
 
@@ -193,7 +193,7 @@ def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tup
         sq_leaves = jax.tree.structure(grads).flatten_up_to(stats.sq_norms)
     except (ValueError, TypeError) as err:
         raise ValueError("microbatch_stats.sq_norms must have the structure of the gradients") from err
-    n = _collect.axis_size(axis_name) * stats.num_microbatches
+    n = _axes.axis_size(axis_name) * stats.num_microbatches
     examples = jnp.full([], float("nan"), jnp.float32)
     if batch_size is not None:
         if batch_size % n:
@@ -202,7 +202,7 @@ def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tup
                 "(data shards × micro-batches): batch_size is the global batch of one update"
             )
         examples = jnp.full([], batch_size // n, jnp.float32)
-    model = _collect.model_axes(grads, params, axis_name)
+    model = _axes.model_axes(grads, params, axis_name)
     a: Any = sum(model.mask([jnp.asarray(s, jnp.float32) for s in sq_leaves]))
     if axis_name is not None:  # the one collective: the gradients (unless known averaged) and the scalar a
         if _averaged(grads, axis_name):
@@ -245,10 +245,10 @@ def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tup
 
 def _averaged(grads: Any, axis_name: Any) -> bool:
     """Whether shard_map's types show the gradients already averaged (unvarying over every data axis)."""
-    names = _collect.axis_names(axis_name)
-    if not all(_collect.vma_checked(name) for name in names):
+    names = _axes.axis_names(axis_name)
+    if not all(_axes.vma_checked(name) for name in names):
         return False
-    return all(name not in _collect.varying_axes(leaf) for leaf in jax.tree.leaves(grads) for name in names)
+    return all(name not in _axes.varying_axes(leaf) for leaf in jax.tree.leaves(grads) for name in names)
 
 
 # --------------------------------------------------------------------------- reading
