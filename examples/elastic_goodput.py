@@ -246,8 +246,10 @@ def print_phases(run: dict[str, Any], best_fixed: int) -> None:
         if c.note.startswith("no gradient statistics"):
             ratio = "n/a"
         gain = p["tau"] / p["iterations"] if p["iterations"] else float("nan")
+        noise = p["noise_scale"]
+        noise_text = "n/a" if np.isnan(noise) else f"{noise:.2f}"  # NaN: not measured yet (before the first update)
         print(
-            f"{p['tau_start']:>9.1f} {p['S']:>3} {p['iterations']:>10} {gain:>9.2f} {p['noise_scale']:>11.2f} "
+            f"{p['tau_start']:>9.1f} {p['S']:>3} {p['iterations']:>10} {gain:>9.2f} {noise_text:>11} "
             f"{c.tau_per_second[i]:>7.1f} {ratio:>9}"
         )
 

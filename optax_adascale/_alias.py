@@ -6,7 +6,7 @@ import jax
 import optax
 
 from optax_adascale._factories import adascale
-from optax_adascale.core import _checks, _clock, _options
+from optax_adascale.core import _checks, _clock, _keeps_state, _options
 from optax_adascale.core._ramp import BatchRamp
 
 
@@ -105,12 +105,10 @@ def adascale_sgd(
     _checks.check_number("weight_decay", weight_decay, low=0.0)
     parts = [_decayed_weights(weight_decay)]
     if momentum is not None:
-        if _resolve_clock(clock, estimator) == TAU_CLOCK:
-            parts.append(_clock.trace(decay=momentum, nesterov=nesterov))
-        else:
-            parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+        trace = _clock.trace if _resolve_clock(clock, estimator) == TAU_CLOCK else _keeps_state.trace
+        parts.append(trace(decay=momentum, nesterov=nesterov))
     return adascale(
-        optax.chain(*parts),
+        _keeps_state.keeps_state(optax.chain(*parts)),
         learning_rate,
         axis_name=axis_name,
         accumulation_steps=accumulation_steps,
@@ -187,10 +185,12 @@ def adascale_adamw(
       >>> print(updates.round(6))
       [-0.002 -0.002]
     """
-    adam = _clock.scale_by_adam if _resolve_clock(clock, estimator) == TAU_CLOCK else optax.scale_by_adam
-    inner = optax.chain(
-        adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
-        optax.add_decayed_weights(weight_decay, mask),
+    adam = _clock.scale_by_adam if _resolve_clock(clock, estimator) == TAU_CLOCK else _keeps_state.scale_by_adam
+    inner = _keeps_state.keeps_state(
+        optax.chain(
+            adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
+            optax.add_decayed_weights(weight_decay, mask),
+        )
     )
     return adascale(
         inner,

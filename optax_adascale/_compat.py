@@ -43,40 +43,6 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     return len(groups[0]), len(groups[1])
 
 
-def eval_jaxpr(jaxpr: Any, consts: list[Any], args: list[Any], write: Any) -> list[Any]:
-    """JAX's ``core.eval_jaxpr``, with every value passed through ``write(var, value)`` before it is stored.
-
-    ``write`` sees the inputs and each equation's outputs (not the constants) and returns what later equations
-    and the outputs read in its place. Each equation is bound as ``core.eval_jaxpr`` binds it: its bind parameters
-    (``get_bind_params``: a dict on JAX 0.10–0.12, ``(subfuns, params)`` before), its name stack and traceback
-    (``source_info_util``; without them the ops lose their profiler names, nothing else) and its context
-    (``eqn.ctx.manager``: compute type, threefry, XLA metadata).
-    """
-    source_info_util: Any
-    try:
-        from jax._src import source_info_util
-    except ImportError:  # pragma: no cover - moved: the ops keep no name
-        source_info_util = None
-    literal: Any = literal_type()
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-    read = lambda v: v.val if isinstance(v, literal) else env[v]  # noqa: E731
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = write(v, x)
-    for eqn in jaxpr.eqns:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        subfuns, params = params if isinstance(params, tuple) else ((), params)
-        context = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-        source: Any = contextlib.nullcontext()
-        if source_info_util is not None:
-            names = source_info_util.current_name_stack() + eqn.source_info.name_stack
-            source = source_info_util.user_context(eqn.source_info.traceback, name_stack=names)
-        with source, context:
-            out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
-        for v, x in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out], strict=True):
-            env[v] = write(v, x)
-    return [read(v) for v in jaxpr.outvars]
-
-
 # --------------------------------------------------------------------------- meshes and axes
 
 
@@ -243,3 +209,13 @@ def custom_call_bind_params(
         bwd = lu.wrap_init(bwd_fn, debug_info=subfuns[2].debug_info)
     params["subfuns"] = (fun, lu.wrap_init(fwd, debug_info=subfuns[1].debug_info), bwd)
     return params
+
+
+# --------------------------------------------------------------------------- core reads (issue 39, house-core)
+# The reads the optimizer's own modules make (core/, the state readers), outside the drop-in's jaxpr walks.
+
+
+def is_tracer(value: Any) -> bool:
+    """Whether ``value`` is traced (an abstract value under ``jit``, ``grad``, ``vmap``...), not a concrete one:
+    ``jax.core.Tracer``. A check of a hyperparameter's value runs only where it is concrete."""
+    return isinstance(value, jax.core.Tracer)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_adascale import _compat
 from optax_adascale.core import _checks, _read
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.core._ramp import RampState
@@ -131,7 +132,7 @@ def _check_structural_hyperparams(hyperparams: Mapping[str, Any], inside: Any) -
     """``accumulation_steps`` under ``optax.inject_hyperparams`` is an entry of ``opt_state.hyperparams`` but shapes
     the state: with no accumulation buffers it is 1, and setting it to anything else would change nothing."""
     value = hyperparams.get("accumulation_steps")
-    if value is None or isinstance(value, jax.core.Tracer):
+    if value is None or _compat.is_tracer(value):
         return
     found: list[AdaScaleState] = []
     _search(inside, found)
@@ -175,16 +176,18 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     warns once it is half of 10 or more updates),
     ``noise_scale`` (``B_noise = σ̄²/μ̄²``, McCandlish et al. 2018: the critical
     batch size in base batches — well below it a larger batch buys an almost
-    proportional speed-up, well above it little), never ``±inf``:
-    ``noise_scale_measured`` says whether it is measured yet — False, and
-    ``noise_scale`` 0, before the first update and while ``μ̄² = 0`` (no mean
-    gradient above the noise so far, e.g. pure noise); NaN only for a state
-    whose statistics are non-finite; with
-    ``param_labels``, ``group_gains`` (label → gain); with a
-    :class:`BatchRamp`, ``microbatches`` (``k``, micro-batches per replica in
-    the update in progress: the next update's), ``next_scale`` (its ``S``; 0
-    before the first call) and ``microbatches_seen`` (calls so far, per
-    replica). Before the first update: gain 1, τ 0, the rest 0.
+    proportional speed-up, well above it little): NaN while not measured
+    (before the first update, with ``n = 1`` sample per update, or for a state
+    whose statistics are non-finite), ``+inf`` for pure noise (``μ̄² = 0 <
+    σ̄²``: no mean gradient above the noise, every larger batch pays), the
+    ratio otherwise; ``noise_scale_measured`` is ``noise_scale`` not NaN. The
+    same reading as a ramp's ``RampInputs``, the monitor's and
+    ``goodput.Choice``'s. With ``param_labels``, ``group_gains`` (label →
+    gain); with a :class:`BatchRamp`, ``microbatches`` (``k``, micro-batches
+    per replica in the update in progress: the next update's),
+    ``next_scale`` (its ``S``; 0 before the first call; ``scale`` stays the
+    last update's) and ``microbatches_seen`` (calls so far, per replica).
+    Before the first update: gain 1, τ 0, ``noise_scale`` NaN, the rest 0.
 
     With a :func:`noise_scale_monitor` (and no AdaScale) in the chain, its keys:
     ``noise_scale``, ``noise_scale_examples``, ``noise_scale_tokens``,
@@ -224,9 +227,7 @@ def metrics(opt_state: Any) -> dict[str, Any]:
         out["group_gains"] = {k: _value(v) for k, v in s.group_gains.items()}
     if s.ramp is not None:
         plan = batch_plan(s)
-        out.update(
-            microbatches=plan["microbatches"], next_scale=plan["scale"], microbatches_seen=plan["microbatches_seen"]
-        )
+        out.update({k: plan[k] for k in ("microbatches", "next_scale", "microbatches_seen")})
     if monitor is not None:
         out.update({k: v for k, v in monitor.items() if k not in out})
     return out
@@ -250,9 +251,12 @@ def batch_plan(opt_state: Any) -> dict[str, jax.Array]:
 
     Keys: ``microbatches`` (``k_t``: calls per replica that make the update in
     progress), ``remaining`` (calls until it applies: ``k_t − micro_step``),
-    ``scale`` (its ``S_t = k_t × samples per call``; 0 before the first call,
-    which tells how many replicas there are), ``microbatches_seen`` (calls so
-    far, per replica: the loader's position).
+    ``next_scale`` (its ``S_t = k_t × samples per call``: the *next* update's,
+    as ``metrics()["next_scale"]``, where ``metrics()["scale"]`` is the last
+    one's; 0 before the first call, which tells how many replicas there are),
+    ``microbatches_seen`` (calls so far, per replica: the loader's position).
+    Deprecated: ``scale``, the same value as ``next_scale``, kept so that
+    existing loops do not break (its name did not say which update it is).
 
     Raises:
       ValueError: the state has no ramp (``accumulation_steps`` is not a :class:`BatchRamp`).
@@ -263,7 +267,7 @@ def batch_plan(opt_state: Any) -> dict[str, jax.Array]:
       >>> params = jnp.zeros(2)
       >>> _, state = tx.update(jnp.ones(2), tx.init(params), params)
       >>> {k: int(v) for k, v in optax_adascale.batch_plan(state).items()}
-      {'microbatches': 2, 'remaining': 1, 'scale': 2, 'microbatches_seen': 1}
+      {'microbatches': 2, 'remaining': 1, 'next_scale': 2, 'scale': 2, 'microbatches_seen': 1}
     """
     s = get_adascale_state(opt_state)
     if s.ramp is None:
@@ -272,10 +276,12 @@ def batch_plan(opt_state: Any) -> dict[str, jax.Array]:
             "accumulation_steps=optax_adascale.BatchRamp(min_microbatches, max_microbatches)."
         )
     k = _value(s.ramp.microbatches)
+    next_scale = k * _value(s.ramp.scale_per_microbatch)
     return {
         "microbatches": k,
         "remaining": k - _value(s.micro_step),
-        "scale": k * _value(s.ramp.scale_per_microbatch),
+        "next_scale": next_scale,
+        "scale": next_scale,  # deprecated: next_scale
         "microbatches_seen": _value(s.ramp.microbatches_seen),
     }
 

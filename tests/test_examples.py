@@ -212,7 +212,7 @@ def test_elastic_example_smoke_prints_the_phase_table():
 GOODPUT_T = 2000  # the smoke budget
 GOODPUT_CANDIDATES = (2, 4, 8, 16)
 GOODPUT_T0, GOODPUT_T1 = 0.020, 0.0015  # the synthetic step-time model's defaults
-GOODPUT_PHASE = re.compile(r"^\s*([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(n/a|[\d.]+x)\s*$")
+GOODPUT_PHASE = re.compile(r"^\s*([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(n/a|inf|[\d.]+)\s+([\d.]+)\s+(n/a|[\d.]+x)\s*$")
 GOODPUT_RUN = re.compile(
     r"^\s*(adaptive|fixed \d+)\s+(\d+)-?(\d+)?\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)%\s+([\d.]+)\s*$"
 )
@@ -256,9 +256,9 @@ def test_elastic_goodput_s_changes_and_grows_with_the_noise_scale(goodput_stdout
     phases = _goodput_rows(goodput_stdout.splitlines(), ["tau", "start", "S"], GOODPUT_PHASE)
     starts = [float(m[1]) for m in phases]
     scales = [int(m[2]) for m in phases]
-    noise = [float(m[5]) for m in phases]
-    # Before the first update there are no statistics: the smallest candidate, no ratio.
-    assert starts[0] == 0.0 and scales[0] == min(GOODPUT_CANDIDATES) and phases[0][7] == "n/a"
+    noise = [float(m[5]) if m[5] != "n/a" else float("nan") for m in phases]
+    # Before the first update there are no statistics: the smallest candidate, no ratio, no noise scale.
+    assert starts[0] == 0.0 and scales[0] == min(GOODPUT_CANDIDATES) and phases[0][7] == phases[0][5] == "n/a"
     # After it, the advisor's choices: at least two different S, growing over τ with the noise scale.
     assert len(set(scales[1:])) >= 2, scales
     assert scales == sorted(scales) and starts == sorted(starts), (scales, starts)

@@ -168,7 +168,7 @@ def _update(
         n = axes.replicas * k * samples.count
         S = _scale(collection, n, axes.replicas)
         if n == 1 and collection.axis_name is None and microbatch_stats is None:
-            _collect.warn_if_partitioned(grads)
+            _axes.warn_if_partitioned(grads)
     else:  # k_t is traced: one program for every rung; S_t = n_t
         _check_ramp_state(state)
         per_microbatch = axes.replicas * samples.count
@@ -209,7 +209,7 @@ def _check_ramp_state(state: AdaScaleState) -> None:
 def _decide(ramp: _ramp.BatchRamp, old: AdaScaleState, new: AdaScaleState, per_microbatch: int) -> AdaScaleState:
     """The controller after an update (applied, or skipped: then nothing moves); replicated scalars only."""
     total = lambda v: jnp.sum(jnp.stack([jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(v)]))  # noqa: E731
-    noise = _read.noise_ratio(total(new.grad_var), total(new.grad_sqr))
+    noise, _ = _read.noise_scale(total(new.grad_var), total(new.grad_sqr), new.count > 0)
     inputs = _ramp.RampInputs(
         tau=new.tau_whole.astype(jnp.float32) + new.tau_frac,
         updates=new.count,

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_adascale import _compat
+
 # --------------------------------------------------------------------------- warnings
 
 
@@ -45,13 +47,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 # --------------------------------------------------------------------------- numbers
 
 
-def _is_traced(value: Any) -> bool:
-    return isinstance(value, jax.core.Tracer)
-
-
 def concrete_float(value: Any) -> float | None:
     """``value`` as a Python float, or ``None`` if it is traced or not a real scalar."""
-    if _is_traced(value):
+    if _compat.is_tracer(value):
         return None
     try:
         arr = np.asarray(value)
@@ -78,7 +76,7 @@ def check_number(
       TypeError: ``value`` is a bool, not a real scalar, or not integral where ``integer``.
       ValueError: ``value`` is non-finite or outside the interval.
     """
-    if value is None or _is_traced(value):
+    if value is None or _compat.is_tracer(value):
         return
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {name}={value!r}")
@@ -98,7 +96,7 @@ def check_number(
 
 def check_static_int(name: str, value: Any, *, low: int = 1, hint: str = "") -> None:
     """Raise unless ``value`` is a Python int ``>= low`` (not an array: it shapes the program)."""
-    if _is_traced(value) or hasattr(value, "dtype"):
+    if _compat.is_tracer(value) or hasattr(value, "dtype"):
         raise TypeError(f"{name} must be a static Python int, got an array ({_describe(value)}).{hint}")
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int >= {low}, got {name}={_describe(value)}")
@@ -113,7 +111,7 @@ def static_int(name: str, value: Any, *, low: int = 1, hint: str = "") -> Any:
     calls the factory again inside ``update`` with that array, traced under ``jax.jit``: the caller
     resolves a traced value from the state it was built for (see ``_adascale.accumulation_steps``).
     """
-    if _is_traced(value):
+    if _compat.is_tracer(value):
         return value
     if hasattr(value, "dtype") and np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer):
         value = int(value)
@@ -136,13 +134,17 @@ def check_learning_rate(learning_rate: Any) -> None:
     """
     if callable(learning_rate):
         return
-    if not _is_traced(learning_rate) and np.ndim(learning_rate) > 0 and np.size(learning_rate) > 1:
+    if not _compat.is_tracer(learning_rate) and np.ndim(learning_rate) > 0 and np.size(learning_rate) > 1:
         raise TypeError(
             f"learning_rate must be a number or a schedule (a function of the step), got {_describe(learning_rate)}."
             " To follow a table of values, pass a function of the step: table = jnp.asarray(values); "
             "learning_rate=lambda t: table[jnp.minimum(t, len(table) - 1)]"
         )
-    if concrete_float(learning_rate) is None and not _is_traced(learning_rate) and not hasattr(learning_rate, "dtype"):
+    if (
+        concrete_float(learning_rate) is None
+        and not _compat.is_tracer(learning_rate)
+        and not hasattr(learning_rate, "dtype")
+    ):
         raise TypeError(f"learning_rate must be a number or a schedule, got learning_rate={learning_rate!r}")
     check_number("learning_rate", learning_rate, low=0.0)
     if concrete_float(learning_rate) == 0.0:

@@ -22,8 +22,9 @@ momentum SGD (and Adam) keep their stochastic differential equation when the bat
   batch's.
 
 Both read the gain from the keyword AdaScale passes to ``inner`` (``adascale_gain``; ``adascale_tau``: ``τ`` before
-the update). Without it (outside AdaScale, or ``n = S = 1``) they are ``optax.trace`` and ``optax.scale_by_adam``
-exactly.
+the update). Without it (outside AdaScale, or ``n = S = 1``) they are ``core/_keeps_state``'s ``optax.trace`` and
+``optax.scale_by_adam``, bit for bit; like those, given ``adascale_taken`` they select each state leaf where they
+compute it, so a skipped update copies no donated state (``core/_inner``).
 
 References:
   Malladi, Lyu, Panigrahi, Arora, `On the SDEs and Scaling Rules for Adaptive Gradient Algorithms
@@ -38,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_adascale.core import _keeps_state
+
 Array = jax.Array
 
 GAIN = "adascale_gain"
@@ -51,7 +54,7 @@ def _powers(decay: Any, gain: Array) -> tuple[Array, Array]:
     return jnp.exp(x), -jnp.expm1(x)
 
 
-def trace(decay: float, nesterov: bool = False, accumulator_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
+def trace(decay: float, nesterov: bool = False) -> optax.GradientTransformationExtraArgs:
     r"""``optax.trace`` on the τ clock: an update worth ``r`` base-batch steps decays the trace by ``decay^r``.
 
     ``m ← β^r m + (1 − β^r)/(1 − β) · g`` and the output is ``m`` (Nesterov: ``(1 − β^r)/(1 − β)·g + β^r m``). At
@@ -62,7 +65,6 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Any = None) -
     Args:
       decay: ``β ∈ [0, 1)``, PyTorch's momentum.
       nesterov: Nesterov momentum.
-      accumulator_dtype: the trace's dtype (``None``: the gradients').
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is ``optax.TraceState``.
@@ -75,13 +77,13 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Any = None) -
       >>> print(m.round(4))  # 1 + 0.9: the trace of two base steps of the same gradient
       [1.9]
     """
-    plain = optax.trace(decay=decay, nesterov=nesterov, accumulator_dtype=accumulator_dtype)
+    plain = _keeps_state.trace(decay=decay, nesterov=nesterov)
     one_minus = 1.0 - decay
 
     def update_fn(updates, state, params=None, **extra_args):
         gain = extra_args.get(GAIN)
         if gain is None:
-            return plain.update(updates, state, params)
+            return plain.update(updates, state, params, **extra_args)
         keep, fresh = _powers(decay, gain)
         weight = jnp.where(jnp.asarray(gain) == 1, jnp.float32(1), fresh / jnp.float32(one_minus))
         keep = jnp.where(jnp.asarray(gain) == 1, jnp.float32(decay), keep)
@@ -89,9 +91,11 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Any = None) -
         def new(g, t):
             return (weight * g + keep * t).astype(jnp.result_type(g, t))
 
-        new_trace = jax.tree.map(new, updates, state.trace)
+        new_trace = _keeps_state.kept(
+            extra_args.get(_keeps_state.TAKEN), jax.tree.map(new, updates, state.trace), state.trace
+        )
         out = jax.tree.map(new, updates, new_trace) if nesterov else new_trace
-        return out, optax.TraceState(trace=optax.tree.cast(new_trace, accumulator_dtype))
+        return out, optax.TraceState(trace=new_trace)
 
     return optax.GradientTransformationExtraArgs(plain.init, update_fn)
 
@@ -131,18 +135,20 @@ def scale_by_adam(
       >>> print(u.round(4))  # a constant gradient: Adam's direction 1, times 4^(-1/2)
       [0.5]
     """
-    plain = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov)
+    plain = _keeps_state.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov)
 
     def update_fn(updates, state, params=None, **extra_args):
         gain = extra_args.get(GAIN)
         if gain is None:
-            return plain.update(updates, state, params)
+            return plain.update(updates, state, params, **extra_args)
         gain = jnp.asarray(gain, jnp.float32)
         tau = jnp.asarray(extra_args.get(TAU, 0.0), jnp.float32) + gain
         keep1, fresh1 = _powers(b1, gain)
         keep2, fresh2 = _powers(b2, gain)
-        mu = jax.tree.map(lambda g, m: fresh1 * g + keep1 * m, updates, state.mu)
+        taken = extra_args.get(_keeps_state.TAKEN)
+        mu = _keeps_state.kept(taken, jax.tree.map(lambda g, m: fresh1 * g + keep1 * m, updates, state.mu), state.mu)
         nu = jax.tree.map(lambda g, v: fresh2 * jnp.square(jnp.abs(g)) + keep2 * v, updates, state.nu)
+        nu = _keeps_state.kept(taken, nu, state.nu)
         debias1 = -jnp.expm1(tau * jnp.log(jnp.float32(b1)))
         debias2 = -jnp.expm1(tau * jnp.log(jnp.float32(b2)))
         if nesterov:
@@ -155,7 +161,7 @@ def scale_by_adam(
             lambda m, v: (scale * m / (jnp.sqrt(v / debias2 + eps_root) + eps)).astype(m.dtype), mu_hat, nu
         )
         new_state = optax.ScaleByAdamState(
-            count=optax.safe_increment(state.count),
+            count=_keeps_state.kept(taken, optax.safe_increment(state.count), state.count),
             mu=optax.tree.cast(mu, mu_dtype) if mu_dtype is not None else optax.tree.cast_like(mu, state.mu),
             nu=optax.tree.cast_like(nu, state.nu),
         )

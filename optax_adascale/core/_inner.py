@@ -1,106 +1,123 @@
-"""``inner`` on the averaged gradient, with the skip's select where each leaf of its new state is written.
+"""``inner`` on the averaged gradient, and the skip's choice of its new or its old state, in public JAX.
 
-A skipped update keeps ``inner``'s old state. Selecting the new or the old state *after* ``inner``
-leaves its update reading the unselected new state, an expression XLA recomputes from the old
-buffers, while the selected state overwrites those same buffers in place (a donated state): XLA
-must then copy every old buffer first (Adam's μ and ν: two state-sized copies per step, 1.22× the
-memory of MaxText's own AdamW step). Here ``inner`` is traced once to a jaxpr and evaluated with
-each new state value replaced by ``where(ok, new, old)`` as soon as it is computed, so the update
-reads the selected state as the inner optimizer's own update reads its new state: the state is
-written in place, then read.
+A skipped update keeps ``inner``'s old state. Where the state is donated, XLA writes the kept state in place, over
+the old buffers; whatever else reads the old buffers must run before that write, or XLA copies them first.
+Selecting ``where(ok, new, old)`` *after* ``inner`` leaves its updates reading the old state (XLA recomputes the new
+state inside the parameter update's fusion), unordered with the in-place write: XLA copies every state buffer the
+updates read (Adam's μ and ν: 11.0 MiB of temporaries per device against optax.adamw's 8.0 on
+``tests/sharding/test_skip_memory.py``'s MLP). Three ways keep the write in place, chosen per ``inner`` at trace time:
 
-The numbers do not change: where ``ok`` the selected value *is* the new one, bit for bit; where the
-update is skipped it is scaled to zero by a select (``_step``), which ignores what it reads.
-``tests/sharding/test_skip_memory.py`` holds the compiled temporaries to ``optax.adamw``'s (an MLP:
-11.0 MiB per device before, 6.0 after, optax 8.0; a scanned FSDP stack: 12.1 before, 10.1 after and optax).
+* **inner selects** (:class:`~optax_adascale.core._keeps_state.KeepsStateOnSkip`: ``adascale_sgd``'s and
+  ``adascale_adamw``'s inner): it gets ``adascale_taken=ok`` and selects each state leaf where it computes it, so
+  its updates read the state it writes, as optax's own step does (that MLP: 6.0 MiB).
+* **select** (every update leaf *is* a leaf of the new state, as ``optax.trace``'s momentum, or ``inner`` holds no
+  array state beyond scalars, as ``optax.identity``): the updates are the *selected* state leaves. Identical where
+  the step is taken; where it is skipped ``_step`` scales them to zero with a select, which ignores what it reads.
+* **cond** (any other ``inner``: optax's own Adam, Nesterov): ``lax.cond(ok, inner, keep)``. The state is written in
+  place inside the taken branch; the updates that are not state leaves leave the conditional as buffers and cannot
+  fuse into the parameter update (that MLP: 8.0 MiB on JAX 0.10.2, 9.0 on 0.12, against optax's 8.0). Under ``vmap``
+  with a batched predicate JAX runs both branches and selects, which brings the copies back; XLA:GPU reads a
+  conditional's predicate on the host (not measured here: the accumulation path's cond already does).
 
-Not ``lax.cond(ok, inner, keep_old)``, the simpler fix: its outputs cannot fuse into the parameter update (one
-more parameter-sized buffer: 9.0 MiB against 8.0 for SGD with momentum on that MLP), its branches must agree
-on explicit shardings, and under ``vmap`` (per-replica updates) a batched predicate runs both branches and
-selects after them, which brings the copies back.
+Numbers: where the step is taken, updates and state are ``inner.update``'s bit for bit on every path. Not an
+``optimization_barrier`` between the updates and the state write: XLA:CPU lowers it to an ordering that fusion then
+crosses, and the copies stay (14.0 MiB). Not ``inner`` traced to a jaxpr and re-evaluated with the select where each
+state leaf is written (the previous way, 6.0 MiB for any ``inner``): it needs JAX's private evaluator.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
-from optax_adascale import _compat
-from optax_adascale.core import _checks
+from optax_adascale.core import _checks, _keeps_state
+from optax_adascale.core._varying import fresh_zeros, match_varying
 
 Array = jax.Array
+
+
+class _Twins(NamedTuple):
+    """For each update leaf, the index of the new-state leaf it *is* (typed as the old one), else ``None``."""
+
+    of_update: list[int | None]
+
+    @property
+    def every_update(self) -> bool:
+        return all(i is not None for i in self.of_update)
 
 
 def run(inner: optax.GradientTransformationExtraArgs, ok: Array, grads, inner_state, params, extra_args):
     """``inner.update`` on ``grads``; its updates, and its new state where ``ok`` else ``inner_state``.
 
-    The updates read the selected state (the module docstring says why). The new state keeps the old
-    state's dtypes (stable types: an inner fed f32 gradients for bf16 params must not widen its state).
+    The new state keeps the old state's dtypes (stable types: an inner fed f32 gradients for bf16 params must not
+    widen its state). The module docstring says how the choice stays copy-free.
     """
-    leaves, tree = jax.tree.flatten((grads, inner_state, params))
-    traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]  # the rest stays Python
+    if isinstance(inner, _keeps_state.KeepsStateOnSkip):  # selects where it writes (the aliases' inner)
+        updates, new_state = _update(inner, grads, inner_state, params, {**extra_args, _keeps_state.TAKEN: ok})
+        return updates, _keep_dtypes(new_state, inner_state)
+    updates, new_state = _update(inner, grads, inner_state, params, extra_args)
+    if jax.tree.structure(new_state) != jax.tree.structure(inner_state):
+        return updates, optax.tree.where(ok, _keep_dtypes(new_state, inner_state), inner_state)  # raises, as before
+    old = jax.tree.leaves(inner_state)
+    twins = _twins(updates, new_state, old)
+    if twins.every_update or not any(jnp.ndim(x) for x in old):
+        kept = optax.tree.where(ok, _keep_dtypes(new_state, inner_state), inner_state)
+        return _with_twins(updates, twins, [None] * len(twins.of_update), kept), kept
+    # the types both branches return, read off this trace's values (unused beyond their types: DCE drops them)
+    rest_types = [None if i is not None else u for u, i in zip(jax.tree.leaves(updates), twins.of_update, strict=True)]
+    state_types = _keep_dtypes(new_state, inner_state)
 
-    def flat_update(*xs):
-        full = list(leaves)
-        for i, x in zip(traced, xs, strict=True):
-            full[i] = x
-        g, s, p = tree.unflatten(full)
-        return inner.update(g, s, p, **extra_args)
+    def taken(state):
+        u, new = _update(inner, grads, state, params, extra_args)
+        rest = [None if i is not None else x for x, i in zip(jax.tree.leaves(u), twins.of_update, strict=True)]
+        return match_varying((rest, _keep_dtypes(new, state)), (rest_types, state_types))
 
+    def skipped(state):
+        rest = [None if t is None else fresh_zeros(t) for t in rest_types]  # thrown away by _step's select
+        return match_varying((rest, state), (rest_types, state_types))
+
+    rest, kept = lax.cond(ok, taken, skipped, inner_state)
+    return _with_twins(updates, twins, rest, kept), kept
+
+
+def _update(inner, grads, inner_state, params, extra_args):
+    """``inner.update``; our message where ``inner_state`` is not ``inner``'s; the updates' structure checked."""
     try:
-        closed, shapes = jax.make_jaxpr(flat_update, return_shape=True)(*(leaves[i] for i in traced))
+        updates, new_state = inner.update(grads, inner_state, params, **extra_args)
     except (AttributeError, TypeError, ValueError, KeyError, IndexError) as err:
         _checks.explain_inner_state_mismatch(inner, inner_state, grads, err)
         raise
-    if jax.tree.structure(shapes[0]) != jax.tree.structure(grads):
+    if jax.tree.structure(updates) != jax.tree.structure(grads):
         raise ValueError(
             "inner must return updates with the structure of the gradients: got "
-            f"{jax.tree.structure(shapes[0])} for gradients {jax.tree.structure(grads)}."
+            f"{jax.tree.structure(updates)} for gradients {jax.tree.structure(grads)}."
         )
-    jaxpr, n = closed.jaxpr, len(jax.tree.leaves(shapes[0]))
-    new_vars, old = jaxpr.outvars[n:], jax.tree.leaves(inner_state)
-    own = dict(zip(jaxpr.invars, (leaves[i] for i in traced), strict=True))  # input variable -> its value
-    twins = _twins(new_vars, old, own)
-    written = set()
+    return updates, new_state
 
-    def write(var, value):
-        twin = twins.get(var)
-        if twin is None or jax.typeof(value) != jax.typeof(twin):
-            return value
-        written.add(var)
-        return jnp.where(ok, value, twin)
 
-    out = _compat.eval_jaxpr(jaxpr, closed.consts, list(own.values()), write)
-    updates = jax.tree.structure(shapes[0]).unflatten(out[:n])
-    new_state = jax.tree.structure(shapes[1]).unflatten(out[n:])
-    if jax.tree.structure(new_state) != jax.tree.structure(inner_state):
-        return updates, optax.tree.where(ok, _keep_dtypes(new_state, inner_state), inner_state)  # raises, as before
-    kept = [
-        x if v in written or _passed_through(v, own, o) else jnp.where(ok, _keep_dtypes(x, o), o)
-        for v, x, o in zip(new_vars, out[n:], old, strict=True)
+def _twins(updates: Any, new_state: Any, old: list[Any]) -> _Twins:
+    """Which update leaves are leaves of the new state (object identity: the only link optax leaves between an
+    update and its state), where that leaf keeps the old leaf's type (so the selected leaf can stand in for it)."""
+    index = {id(x): i for i, x in enumerate(jax.tree.leaves(new_state))}
+
+    def twin(u: Any) -> int | None:
+        i = index.get(id(u))
+        same = i is not None and isinstance(u, jax.Array) and jax.typeof(u) == jax.typeof(old[i])
+        return i if same else None
+
+    return _Twins([twin(u) for u in jax.tree.leaves(updates)])
+
+
+def _with_twins(updates: Any, twins: _Twins, rest: list[Any], kept: Any) -> Any:
+    """The updates: each twin leaf the selected state leaf, the others ``rest`` (or, where ``None``, as computed)."""
+    kept_leaves = jax.tree.leaves(kept)
+    leaves = [
+        kept_leaves[i] if i is not None else (u if r is None else r)
+        for u, i, r in zip(jax.tree.leaves(updates), twins.of_update, rest, strict=True)
     ]
-    return updates, jax.tree.structure(inner_state).unflatten(kept)
-
-
-def _twins(new_vars: list[Any], old: list[Any], own: dict[Any, Any]) -> dict[Any, Any]:
-    """Each variable of the new state that stands for one leaf of the old state, and that leaf.
-
-    Left out: literals, a variable standing for several leaves, a leaf ``inner`` passes through.
-    """
-    if len(new_vars) != len(old):
-        return {}
-    literal = _compat.literal_type()
-    seen: dict[Any, list[Any]] = {}
-    for v, o in zip(new_vars, old, strict=True):
-        if not isinstance(v, literal):
-            seen.setdefault(v, []).append(o)
-    return {v: olds[0] for v, olds in seen.items() if len(olds) == 1 and not _passed_through(v, own, olds[0])}
-
-
-def _passed_through(var: Any, own: dict[Any, Any], old: Any) -> bool:
-    """Whether ``var`` is the input variable of ``old`` itself (``inner`` returned that leaf unchanged)."""
-    return not isinstance(var, _compat.literal_type()) and own.get(var) is old
+    return jax.tree.structure(updates).unflatten(leaves)
 
 
 def _keep_dtypes(new: Any, old: Any) -> Any:

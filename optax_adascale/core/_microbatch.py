@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale.core import _checks, _collect
+from optax_adascale.core import _axes, _checks
 from optax_adascale.core._norms import STAT_DTYPE, compute_dtype, leaf_sq_norm, leaf_sq_norms
 from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.core._varying import match_varying
@@ -106,7 +106,7 @@ def per_replica(
         state, batch = (batch[0], batch[1:]) if threaded else (None, batch)
         micro = jax.tree.map(split, batch)
         # Per replica (shard_map, pmap, vmap, one device) the leaves are local: their norms in few reductions.
-        norms = leaf_sq_norms if not _collect.partitioned_axes(params) else lambda gs: [leaf_sq_norm(g) for g in gs]
+        norms = leaf_sq_norms if not _axes.partitioned_axes(params) else lambda gs: [leaf_sq_norm(g) for g in gs]
 
         def body(carry, mb):
             grad_sum, sq_sum, state = carry

@@ -55,7 +55,8 @@ class RampInputs(NamedTuple):
     Attributes:
       tau: float32, ``τ`` after the update (base-batch steps).
       updates: int32, updates applied.
-      noise_scale: float32, ``B = σ̄²/μ̄²`` in base batches (``+inf`` for pure noise).
+      noise_scale: float32, ``B = σ̄²/μ̄²`` in base batches: ``+inf`` for pure noise (``μ̄² = 0 < σ̄²``), NaN while
+        not measured (after a skipped first update); as ``metrics()["noise_scale"]`` reads it.
       gain: float32, the gain of the update.
       microbatches: int32, ``k`` of the update just applied.
       scale_per_microbatch: int32, ``S/k``: samples (base batches) one micro-batch step adds.

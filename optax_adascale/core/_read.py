@@ -47,23 +47,18 @@ def search(node: Any, kind: type, from_mapping: Callable[[Mapping], Any], found:
         search(child, kind, from_mapping, found)
 
 
-def noise_ratio(var: Any, sqr: Any) -> jax.Array:
-    """``σ̄²/μ̄²`` (``μ̄²`` floored at 0) as the batch ramp's controller reads it: ``+inf`` where ``μ̄² = 0 < σ̄²``
-    (pure noise: any batch pays), 0 where ``σ̄² = 0``. Readers show :func:`noise_scale` instead (never ``±inf``)."""
-    sqr = jnp.maximum(sqr, 0.0)
-    return jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.where(var > 0, jnp.inf, 0.0))
-
-
 def noise_scale(var: Any, sqr: Any, started: Any) -> tuple[jax.Array, jax.Array]:
-    """``(σ̄²/μ̄², measured)``, never ``±inf``, so that any logger takes it.
+    """``(B, measured)``: the noise scale ``B = σ̄²/μ̄²`` (``μ̄²`` floored at 0), one convention for every reader
+    (``metrics``, the ramp's ``RampInputs``, the monitor; ``goodput.Choice.noise_scale`` follows it on the host).
 
-    ``measured`` where ``started`` (an estimate was made) and ``μ̄² > 0`` (``μ̄²`` floored at 0):
-    then the ratio (0 where ``σ̄² = 0``: identical samples). Not measurable yet (before the first
-    estimate, or ``μ̄² = 0``: no mean gradient above the noise so far, as for pure noise): 0 and
-    ``measured`` False. Non-finite statistics (a broken state): NaN.
+    * NaN: not measured. Before the first estimate (``started`` False), while nothing was measured
+      (``σ̄² = μ̄² = 0``: only ``n = 1`` updates), or statistics that are not finite (a broken state).
+    * ``+inf``: pure noise, ``μ̄² = 0 < σ̄²``: no mean gradient above the noise, so every larger batch pays.
+    * otherwise ``σ̄²/μ̄²`` (0 where ``σ̄² = 0 < μ̄²``: identical samples).
+
+    ``measured`` is ``B`` not NaN (``+inf`` included).
     """
     var, sqr = jnp.asarray(var, jnp.float32), jnp.maximum(jnp.asarray(sqr, jnp.float32), 0.0)
-    finite = jnp.isfinite(var) & jnp.isfinite(sqr)
-    measured = jnp.asarray(started) & finite & (sqr > 0)
-    ratio = jnp.where(measured, var / jnp.where(measured, sqr, 1.0), 0.0)
-    return jnp.where(finite, ratio, jnp.nan), measured
+    measured = jnp.asarray(started) & jnp.isfinite(var) & jnp.isfinite(sqr) & ((var > 0) | (sqr > 0))
+    ratio = jnp.where(sqr > 0, var / jnp.where(sqr > 0, sqr, 1.0), jnp.inf)
+    return jnp.where(measured, ratio, jnp.nan), measured

@@ -150,8 +150,8 @@ def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_a
         lr, step_size, group_steps, lr_finite, negative = _learning_rates(update, stats, state.tau_whole)
         ok = stats.ok & lr_finite & ~negative
         negative = stats.ok & negative  # the reason recorded: non-finite statistics take precedence
-    # The skip's select sits inside inner's update, which reads the kept state: selecting after it made XLA copy
-    # every donated state buffer (Adam's μ and ν) before writing it in place (_inner's docstring says why).
+    # inner's update reads the state the skip keeps: selecting after inner made XLA copy every donated state buffer
+    # (Adam's μ and ν) before writing it in place (_inner's docstring says how each inner avoids it).
     with jax.named_scope("adascale/inner"):
         inner_args = extra_args
         if not (isinstance(shape.n, int) and shape.n == 1):  # the τ clock's inners read the gain (core/_clock)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale.core._collect import varying_axes
+from optax_adascale.core._axes import varying_axes
 
 Array = jax.Array
 

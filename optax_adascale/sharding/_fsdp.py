@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale.core import _collect, _norms
+from optax_adascale.core import _axes, _norms
 from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.sharding import _zero
 
@@ -67,11 +67,11 @@ def fsdp_probes(rows: Any, axis_name: Any) -> MicrobatchStats:
     replica's squared gradient norms, to pass as ``update(...,
     microbatch_stats=)``.
     """
-    names = _collect.axis_names(axis_name)
+    names = _axes.axis_names(axis_name)
 
     def probe(_):
         zero = jnp.zeros([], jnp.float32)
-        checked = tuple(n for n in names if _collect.vma_checked(n))
+        checked = tuple(n for n in names if _axes.vma_checked(n))
         return lax.pcast(zero, checked, to="varying") if checked else zero
 
     return MicrobatchStats(jax.tree.map(probe, rows), 1, fsdp=True)
@@ -119,7 +119,7 @@ def _gather_fwd(row, probe, shape, axis_name):
 
 
 def _gather_bwd(shape, axis_name, like, cotangent):
-    n = _collect.axis_size(axis_name)
+    n = _axes.axis_size(axis_name)
     sq = _norms.leaf_sq_norm(cotangent)
     row = lax.psum_scatter(jnp.ravel(_zero.to_rows(cotangent, n)), axis_name, scatter_dimension=0, tiled=True)
     return jnp.reshape(row, like.shape[:-1] + (-1,)).astype(like.dtype), sq

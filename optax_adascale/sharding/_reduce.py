@@ -99,7 +99,7 @@ class ZeroRows:
         split = [
             name
             for name in axes.data
-            if rows and _collect.vma_checked(name) and all(name in _collect.varying_axes(p) for p in leaves)
+            if rows and _axes.vma_checked(name) and all(name in _axes.varying_axes(p) for p in leaves)
         ]
         if split:
             raise ValueError(
@@ -201,7 +201,7 @@ def _local_lead(rows: Any) -> tuple[int, ...]:
 
 def _all_gather(tree: Any, axis: Any) -> Any:
     """All-gather rows into the full flat vector; under shard_map's type checks, replica-invariant."""
-    names = _collect.axis_names(axis)
-    if all(_collect.vma_checked(name) for name in names):
+    names = _axes.axis_names(axis)
+    if all(_axes.vma_checked(name) for name in names):
         return lax.all_gather(tree, axis, axis=0, tiled=True, to="invarying")
     return lax.all_gather(tree, axis, axis=0, tiled=True)

@@ -12,7 +12,7 @@ import optax
 from jax import lax
 
 from optax_adascale import _compat
-from optax_adascale.core._collect import ModelAxes
+from optax_adascale.core._axes import ModelAxes
 from optax_adascale.core._norms import STAT_DTYPE, leaf_sq_norm
 from optax_adascale.sharding import _stand_in
 

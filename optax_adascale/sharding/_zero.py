@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale.core import _collect, _norms
+from optax_adascale.core import _axes, _norms
 from optax_adascale.sharding import _stand_in, _tensor
 
 Array = jax.Array
@@ -107,7 +107,7 @@ def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any,
         rows_state = inner.init(rows_p)
 
         def one_row(g, s, p):
-            sq_norm = _tensor.sq_norm_fn(jax.tree.structure(g), _collect.ModelAxes(), "zero_probe")
+            sq_norm = _tensor.sq_norm_fn(jax.tree.structure(g), _axes.ModelAxes(), "zero_probe")
             return inner.update(g, s, p, adascale_sq_norm=sq_norm)[0]
 
         axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, rows_state)

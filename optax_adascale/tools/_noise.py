@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale.core import _checks, _collect, _norms, _options, _read
+from optax_adascale.core import _axes, _checks, _norms, _options, _read
 from optax_adascale.core import _estimator as est
 from optax_adascale.core._samples import MicrobatchStats
 
@@ -99,7 +99,7 @@ def noise_scale_monitor(
 
     One sample per update (``n = 1``: one device, no micro-batches) has no
     spread to measure: the monitor warns once at trace time, leaves its
-    averages untouched and the noise scales read 0, not measured
+    averages untouched and the noise scales read NaN, not measured
     (``noise_scale_measured`` False). Split the batch:
     ``value_and_grad(loss_fn, num_microbatches=2)``. Updates with non-finite
     statistics (e.g. a loss-scaling overflow) are left out of the averages.
@@ -193,7 +193,7 @@ def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tup
         sq_leaves = jax.tree.structure(grads).flatten_up_to(stats.sq_norms)
     except (ValueError, TypeError) as err:
         raise ValueError("microbatch_stats.sq_norms must have the structure of the gradients") from err
-    n = _collect.axis_size(axis_name) * stats.num_microbatches
+    n = _axes.axis_size(axis_name) * stats.num_microbatches
     examples = jnp.full([], float("nan"), jnp.float32)
     if batch_size is not None:
         if batch_size % n:
@@ -202,7 +202,7 @@ def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tup
                 "(data shards × micro-batches): batch_size is the global batch of one update"
             )
         examples = jnp.full([], batch_size // n, jnp.float32)
-    model = _collect.model_axes(grads, params, axis_name)
+    model = _axes.model_axes(grads, params, axis_name)
     a: Any = sum(model.mask([jnp.asarray(s, jnp.float32) for s in sq_leaves]))
     if axis_name is not None:  # the one collective: the gradients (unless known averaged) and the scalar a
         if _averaged(grads, axis_name):
@@ -212,7 +212,7 @@ def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tup
     if n == 1:
         warnings.warn(
             "noise_scale_monitor sees n = 1 gradient sample per update: one sample has no spread, so the noise "
-            "scale cannot be estimated (it reads 0, noise_scale_measured False). Split the batch into micro-batches "
+            "scale cannot be estimated (it reads NaN, noise_scale_measured False). Split the batch into micro-batches "
             "(optax_adascale.value_and_grad(loss_fn, num_microbatches=2)) or use several data shards.",
             stacklevel=4,
         )
@@ -245,10 +245,10 @@ def _update(axis_name, batch_size, settings, grads, state, params, stats) -> tup
 
 def _averaged(grads: Any, axis_name: Any) -> bool:
     """Whether shard_map's types show the gradients already averaged (unvarying over every data axis)."""
-    names = _collect.axis_names(axis_name)
-    if not all(_collect.vma_checked(name) for name in names):
+    names = _axes.axis_names(axis_name)
+    if not all(_axes.vma_checked(name) for name in names):
         return False
-    return all(name not in _collect.varying_axes(leaf) for leaf in jax.tree.leaves(grads) for name in names)
+    return all(name not in _axes.varying_axes(leaf) for leaf in jax.tree.leaves(grads) for name in names)
 
 
 # --------------------------------------------------------------------------- reading
@@ -297,11 +297,11 @@ def metrics(opt_state: Any) -> dict[str, Array]:
     ``noise_scale_examples`` (times the examples per sample: ``tr(Σ)/|G|²``),
     ``noise_scale_tokens`` (times ``tokens_per_example``), ``grad_sqr``
     (``μ̄²``), ``grad_var`` (``σ̄²``), ``noise_scale_measured``. The noise
-    scales are never ``±inf``: before the first estimate (and with ``n = 1``)
-    and while ``μ̄² = 0`` (no mean gradient above the noise so far, e.g. pure
-    noise) they are 0 and ``noise_scale_measured`` is False; 0 where ``σ̄² = 0``
-    (identical samples: measured); the two in examples and tokens are NaN
-    without ``batch_size`` / ``tokens_per_example``.
+    scales read as ``optax_adascale.metrics`` reads AdaScale's: NaN while not
+    measured (before the first estimate, with ``n = 1``, or non-finite
+    statistics; ``noise_scale_measured`` False), ``+inf`` for pure noise
+    (``μ̄² = 0 < σ̄²``), 0 where ``σ̄² = 0`` (identical samples); the two in
+    examples and tokens are NaN without ``batch_size`` / ``tokens_per_example``.
     """
     s = jax.tree.map(_read.value, get_noise_state(opt_state))
     var, sqr = s.grad_var, jnp.maximum(s.grad_sqr, 0.0)

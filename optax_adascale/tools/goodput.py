@@ -325,10 +325,11 @@ class Choice:
 
     @property
     def noise_scale(self) -> float:
-        """``B_noise = σ̄²/μ̄²`` in base batches (``inf`` for ``μ̄² = 0 < σ̄²``, 0 without statistics)."""
+        """``B_noise = σ̄²/μ̄²`` in base batches, read as ``optax_adascale.metrics`` reads it: ``inf`` for pure
+        noise (``μ̄² = 0 < σ̄²``), NaN without statistics (``σ̄² = μ̄² = 0``: nothing measured yet)."""
         if self.grad_sqr > 0:
             return self.grad_var / self.grad_sqr
-        return math.inf if self.grad_var > 0 else 0.0
+        return math.inf if self.grad_var > 0 else math.nan
 
     @property
     def seconds_per_tau(self) -> np.ndarray:

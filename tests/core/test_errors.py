@@ -501,13 +501,22 @@ def _adam(state):
     return next(x for x in jax.tree.leaves(state.inner_state, is_leaf=is_adam) if is_adam(x))
 
 
+ADAMW = {  # the alias's inner selects where it writes (core/_keeps_state.py); optax's own runs in a lax.cond
+    "adascale_adamw": lambda b1, b2: optax_adascale.adascale_adamw(1e-2, b1=b1, b2=b2, axis_name="i"),
+    "optax-chain": lambda b1, b2: optax_adascale.adascale(
+        optax.chain(optax.scale_by_adam(b1, b2), optax.add_decayed_weights(1e-4)), 1e-2, axis_name="i"
+    ),
+}
+
+
+@pytest.mark.parametrize("inner", sorted(ADAMW))
 @pytest.mark.parametrize("transform", ["vmap", "shard_map"])
-def test_adamw_keeps_adams_state_on_a_skip_and_updates_it_on_a_taken_step(transform):
-    """The skip's select sits inside the inner update (``core/_inner.py``): Adam's count, μ and ν are kept bit for
-    bit on a skipped step, updated as Adam updates them on a taken one, and the step after a skip is the step the
-    skip never happened before."""
+def test_adamw_keeps_adams_state_on_a_skip_and_updates_it_on_a_taken_step(transform, inner):
+    """Adam's count, μ and ν are kept bit for bit on a skipped step, updated as Adam updates them on a taken one,
+    and the step after a skip is the step the skip never happened before: for the alias's inner (which selects
+    where it writes) and for optax's own Adam (run in a ``lax.cond``, ``core/_inner.py``)."""
     n, b1, b2 = 4, 0.9, 0.999
-    tx = optax_adascale.adascale_adamw(1e-2, b1=b1, b2=b2, axis_name="i")
+    tx = ADAMW[inner](b1, b2)
     if transform == "vmap":
         step = replica_update(tx)
     else:

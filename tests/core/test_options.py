@@ -29,22 +29,22 @@ def test_noise_scale_on_a_noisy_quadratic_is_sigma2_over_mu2(sigma2, mu2):
 
         return jax.lax.scan(body, tx.init(params), jax.random.split(key, steps))[0]
 
-    state = run(jax.random.key(0))
-    assert float(optax_adascale.metrics(state)["noise_scale"]) == pytest.approx(sigma2 / mu2, rel=0.06)
-    assert float(optax_adascale.metrics(state)["noise_scale"]) == float(optax_adascale.metrics(state)["noise_scale"])
+    m = optax_adascale.metrics(run(jax.random.key(0)))
+    assert float(m["noise_scale"]) == pytest.approx(sigma2 / mu2, rel=0.06)
+    assert float(m["grad_var"]) == pytest.approx(sigma2, rel=0.06)  # each average, not only their ratio
+    assert float(m["grad_sqr"]) == pytest.approx(mu2, rel=0.06)
 
 
-def test_noise_scale_reads_zero_not_measured_before_the_first_update_and_for_pure_noise():
-    # It read +inf for pure noise: a trap in logs. Every reading is finite; noise_scale_measured says which count.
+def test_noise_scale_reads_nan_before_the_first_update_and_inf_for_pure_noise():
+    # It read 0 in both cases (0 reads as "do not scale"): NaN is "not measured yet", +inf "every batch pays".
     tx = optax_adascale.adascale(optax.identity(), 0.1, axis_name="i")
     params = jnp.zeros(2)
     m = optax_adascale.metrics(tx.init(params))
-    assert float(m["noise_scale"]) == 0.0 and not bool(m["noise_scale_measured"])
+    assert np.isnan(float(m["noise_scale"])) and not bool(m["noise_scale_measured"])
     _, state = replica_update(tx)(jnp.array([[1.0, 0.0], [-1.0, 0.0]]), tx.init(params), params)  # mean exactly 0
     m = optax_adascale.metrics(state)
     assert float(m["grad_sqr"]) == 0.0 and float(m["grad_var"]) > 0
-    assert float(m["noise_scale"]) == 0.0 and not bool(m["noise_scale_measured"])
-    assert all(np.all(np.isfinite(v)) for v in jax.tree.leaves(m))
+    assert float(m["noise_scale"]) == np.inf and bool(m["noise_scale_measured"])
 
 
 def test_noise_scale_is_measured_once_the_mean_gradient_shows():

@@ -305,18 +305,27 @@ def test_accumulation_only_calls_execute_no_all_reduce():
 
 
 def test_donated_step_copies_no_gradient_sized_buffer():
-    # The skip's select on the momentum must not force XLA to copy the donated state before the
+    # The skip's select on the momentum (Adam's μ and ν) must not force XLA to copy the donated state before the
     # in-place update (it would be an extra pass over every buffer).
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
     params = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
     x = jnp.ones((N, 4, 64))
     loss = lambda p, xb: jnp.sum(jnp.tanh(xb @ p["w"] + p["b"]) ** 2)
     texts = {}
-    for name, tx in {"adascale": make_tx(SCHEDULE, axis_name="i"), "sgd": optax.sgd(0.1, momentum=0.9)}.items():
+    optimizers = {
+        "adascale": make_tx(SCHEDULE, axis_name="i"),
+        "adascale_adamw": optax_adascale.adascale_adamw(1e-3, axis_name="i"),  # selects where it writes
+        "adascale-adam-chain": optax_adascale.adascale(  # optax's Adam: run in a lax.cond
+            optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(1e-4)), 1e-3, axis_name="i"
+        ),
+        "sgd": optax.sgd(0.1, momentum=0.9),
+        "adamw": optax.adamw(1e-3),
+    }
+    for name, tx in optimizers.items():
 
         def step(p, s, xb, tx=tx, name=name):
             g = jax.grad(loss)(jax.lax.pcast(p, "i", to="varying"), xb[0])
-            if name == "sgd":
+            if not name.startswith("adascale"):
                 g = jax.lax.pmean(g, "i")
             u, s = tx.update(g, s, p)
             return optax.apply_updates(p, u), s
@@ -325,8 +334,7 @@ def test_donated_step_copies_no_gradient_sized_buffer():
             jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("i")), out_specs=(P(), P())), donate_argnums=(0, 1)
         )
         texts[name] = _hlo.compiled_text(f, params, tx.init(params), x)
-    assert _hlo.count_large_copies(texts["sgd"]) == 0
-    assert _hlo.count_large_copies(texts["adascale"]) == 0
+    assert {name: _hlo.count_large_copies(text) for name, text in texts.items()} == dict.fromkeys(texts, 0)
 
 
 def test_donated_accumulation_step_copies_no_buffer():

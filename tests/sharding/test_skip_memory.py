@@ -3,6 +3,8 @@
 A skipped update keeps the inner optimizer's old state. Selecting new-or-old state *after* the inner update left
 the update reading the unselected new state while the selected one overwrote the donated buffers, so XLA copied
 every state buffer first (Adam's μ and ν: 1.2-1.4x optax.adamw's temporaries here, 1.22x MaxText's AdamW step).
+``core/_inner.py`` avoids it in public JAX: the aliases' inner selects its state where it writes it, any other
+inner whose updates are not state leaves runs in a ``lax.cond`` (its updates leave the conditional as one buffer).
 Compiled-HLO facts (``memory_analysis()``), no timers, on two parameter-dominated models: an MLP of 1024 x 1024
 matrices (Megatron column/row layout: nothing gathered, so the optimizer's buffers are the peak) and a scanned
 stack of them (FSDP, gathered per layer). The user's gradient is the same in both steps; only the optimizer
@@ -53,9 +55,19 @@ def stack():
     return {"w": (LAYERS, D, D)}, specs, loss
 
 
+# optimizer: (optax's, ours, how much over optax's temporaries ours may hold)
 OPTIMIZERS = {
-    "adamw": (lambda: optax.adamw(1e-3), lambda: optax_adascale.adascale_adamw(1e-3)),
-    "sgd": (lambda: optax.sgd(0.1, momentum=0.9), lambda: optax_adascale.adascale_sgd(0.1, momentum=0.9)),
+    # the aliases' inner selects its state where it writes it (core/_keeps_state.py): optax's own program
+    "adamw": (lambda: optax.adamw(1e-3), lambda: optax_adascale.adascale_adamw(1e-3), 1.05),
+    "sgd": (lambda: optax.sgd(0.1, momentum=0.9), lambda: optax_adascale.adascale_sgd(0.1, momentum=0.9), 1.05),
+    # any other inner whose updates are not state leaves runs in a lax.cond (core/_inner.py): the state is written in
+    # place, the updates leave the conditional as one buffer. Measured (MiB per device, MLP / stack): optax 8.0 /
+    # 10.1; the cond 8.0 / 10.1 on JAX 0.10.2 and 9.0 / 10.1 on 0.12; a select after inner (the copies) 11.0 / 12.1.
+    "adamw-chain": (
+        lambda: optax.adamw(1e-3),
+        lambda: optax_adascale.adascale(optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(1e-4)), 1e-3),
+        1.15,
+    ),
 }
 
 
@@ -91,8 +103,8 @@ def _temp_bytes(model, tx, adascale: bool) -> int:
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("model", [mlp, stack], ids=["mlp", "stack"])
 def test_a_donated_step_copies_no_inner_state_for_the_skip(model, optimizer):
-    make_ref, make_ours = OPTIMIZERS[optimizer]
+    make_ref, make_ours, allowed = OPTIMIZERS[optimizer]
     ref, ours = _temp_bytes(model, make_ref(), False), _temp_bytes(model, make_ours(), True)
     state_bytes = 2 * LAYERS * D * D * 4 // 8  # Adam's μ and ν per device: what the copies cost
     assert ref > state_bytes // 2, ref  # the measure sees the optimizer's buffers
-    assert ours <= 1.05 * ref + SLACK, (ours / 2**20, ref / 2**20)
+    assert ours <= allowed * ref + SLACK, (ours / 2**20, ref / 2**20)
