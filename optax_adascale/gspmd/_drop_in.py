@@ -27,9 +27,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr
 from jax.sharding import PartitionSpec as P
 
+from optax_adascale import _compat
 from optax_adascale.core import _checks, _microbatch
 from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.gspmd import _global, _layout, _mesh, _split
@@ -238,6 +238,7 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert, specs, arg_specs
     jaxpr is re-evaluated there with those axes dropped from its ``with_sharding_constraint``\\ s, and the
     decisions Explicit types ask for made as GSPMD makes them (``_rewrite``).
     """
+    layout = dataclasses.replace(layout, convert=frozenset(convert))
     if layout.mesh is not None:  # the concrete mesh named in the shard_maps must carry the converted types
         explicit = (jax.sharding.AxisType.Explicit,) * len(layout.axis_names)
         layout = dataclasses.replace(
@@ -277,16 +278,16 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert, specs, arg_specs
     plain = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
         closed = jax.make_jaxpr(flat_loss)(*plain, *micro)
-    outer = [i for i, c in enumerate(closed.consts) if isinstance(c, jax.core.Tracer)]
+    outer = [i for i, c in enumerate(closed.consts) if _compat.is_tracer(c)]
 
     def inner(leaves, flat, captured):
         consts = list(closed.consts)
         for i, c in zip(outer, captured, strict=True):
             consts[i] = c
-        trace = lambda *_: (ClosedJaxpr(closed.jaxpr, consts), out_tree[-1])  # noqa: E731
+        trace = lambda *_: (_compat.closed_jaxpr(closed.jaxpr, consts), out_tree[-1])  # noqa: E731
         try:
             params_in, args_in = treedef.unflatten(leaves), tree.unflatten(flat)
-            return _global.run(loss_fn, has_aux, layout, params_in, args_in, convert, trace, unroll, n_state)
+            return _global.run(loss_fn, has_aux, layout, params_in, args_in, trace, unroll, n_state)
         except ValueError:
             raise
         except Exception as err:  # noqa: BLE001 - JAX's own error, where a loss written for Auto axes meets Explicit ones

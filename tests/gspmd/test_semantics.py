@@ -385,6 +385,35 @@ def test_device_put_inside_the_loss_on_an_explicit_mesh():
     assert_close((value, grads), (ref_value, ref_grads))
 
 
+@pytest.mark.parametrize("layout", ["replicated", "FSDP"])
+def test_the_users_named_scopes_stay_in_the_compiled_step(layout):
+    """Profiles under the drop-in show the user's ``jax.named_scope``\\ s: the re-evaluated loss keeps each
+    operation's name stack, inside a scanned, rematerialised layer too (the op metadata of the lowered step)."""
+    params, x, tok, y, mask = data()
+    mesh = jax.make_mesh((SHARDS, 2), ("data", "model"))
+
+    def loss(p, x, tok, y, mask):
+        with jax.named_scope("user_embed"):
+            h = x + p["emb"].at[tok].get(out_sharding=P("data", None))
+
+        def layer(h, _):
+            with jax.named_scope("user_layer"):
+                return jnp.tanh(jnp.einsum("bd,de->be", h, p["w1"][:, :D], out_sharding=P("data", None))), None
+
+        h, _ = jax.lax.scan(jax.checkpoint(layer), h, None, length=2)
+        return optax.softmax_cross_entropy_with_integer_labels(h[:, :C], y).mean()
+
+    with jax.set_mesh(mesh):
+        placed = {k: jax.device_put(v, NamedSharding(mesh, LAYOUTS[layout][k])) for k, v in params.items()}
+        batch = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, tok, y, mask)]
+        text = (
+            jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))
+            .lower(placed, *batch)
+            .as_text(debug_info=True)
+        )
+    assert "user_embed" in text and "user_layer" in text
+
+
 # --------------------------------------------------------------------------- Auto meshes
 
 
