@@ -143,7 +143,8 @@ def value_and_grad(
       ValueError: ``data_axes`` not in the mesh, or not an axis the batch is
         sharded over; no mesh set; a batch not divisible by ``shards × k``;
         ``data_axes=None`` under a jit over a multi-device mesh with no replica
-        axis bound; a loss that cannot run with the data axes Explicit.
+        axis bound; a mesh of Auto and Explicit axes together; a loss that
+        cannot run with the data axes Explicit.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax_adascale
@@ -169,6 +170,7 @@ def value_and_grad(
         inner_args = (state, *arrays)
         n_state = len(jax.tree.leaves(state))
         the_mesh = _mesh.resolve_mesh(mesh, names)
+        _mesh.check_one_axis_type(the_mesh, names)
         layout = Layout.of(the_mesh, names, num_microbatches, mesh)
         specs = _layout.param_specs_like(param_specs, params, layout)
         if layout.shards == 1 and num_microbatches == 1:
@@ -231,8 +233,8 @@ def _mesh_context(the_mesh, given):
 def _converted(loss_fn, has_aux, layout: Layout, mesh, convert, specs, arg_specs, params, args, unroll=1, n_state=0):
     """The Auto axes made Explicit for the loss, which is traced once on the Auto mesh.
 
-    Reduced/unreduced types are only sound with every mesh axis Explicit (JAX 0.10 asserts it; on 0.12 a
-    mesh with Auto axes left gives wrong partials), so every Auto axis is converted. Inside, the parameters
+    Reduced/unreduced types are only sound with every mesh axis Explicit (JAX 0.10 asserts it), so every Auto
+    axis is converted (a mesh of both kinds is refused: ``_mesh.check_one_axis_type``). Inside, the parameters
     are laid out by ``specs`` (``param_specs``; replicated without them, with a warning) and the arguments by
     ``arg_specs`` (:func:`_batch_specs`: the batch sharded over the data axes); the loss's
     jaxpr is re-evaluated there with those axes dropped from its ``with_sharding_constraint``\\ s, and the
