@@ -290,7 +290,7 @@ def walk(jaxpr: Any, consts: Any, args: Any, rule: Any, literal: Any = None, *, 
     equations gave their variables, a literal operand ``literal(its value)`` (its value by default). What flows can
     be values (an evaluator) or facts about them (a dataflow analysis). ``named``: each rule runs under
     :func:`source_of` its equation, so what it binds keeps the user's scopes. Returns what the outputs hold."""
-    lit = literal_type()
+    lit: Any = literal_type()
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     read = lambda v: (v.val if literal is None else literal(v.val)) if isinstance(v, lit) else env[v]  # noqa: E731
@@ -471,7 +471,8 @@ def primitive(name: str) -> Any:
                 return value
     import importlib
 
-    for where in ("jax._src.shard_map", "jax._src.pjit", "jax._src.core", "jax._src.lax.parallel"):
+    private = ("shard_map", "pjit", "core", "lax.parallel", "random.prng", "lax.control_flow.conditionals")
+    for where in (f"jax._src.{name}" for name in private):
         try:
             module = importlib.import_module(where)
         except ImportError:  # pragma: no cover - moved: looked for in the others

@@ -103,7 +103,8 @@ def contract_partial(layout: Layout, eqn, invals: list[Any]) -> Any:
         spec = P(*(e for d, e in enumerate(parts) if d not in axes))
     if not over:
         return _layout.bind(layout, eqn, invals)
-    key, _ = _compat.out_sharding(eqn)
+    traced = _compat.out_sharding(eqn)
+    key = "out_sharding" if traced is None else traced[0]
     out = NamedSharding(jax.sharding.get_abstract_mesh(), P(*spec, unreduced=frozenset(over)))
     return _layout.bind(layout, eqn, invals, _compat.with_params(eqn, **{key: out}))
 
