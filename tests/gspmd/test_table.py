@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import optax_adascale
 from optax_adascale import _compat
 from optax_adascale.gspmd import _table
 from tests.gspmd import patterns
@@ -129,3 +130,40 @@ def test_every_primitive_the_zoos_losses_bind_is_classified(case):
         args = [put(b, s) for b, s in zip(batch, batch_specs, strict=True)]
         names = _names(jax.make_jaxpr(jax.value_and_grad(loss))(placed, *args).jaxpr)
     assert names <= set(_table.TABLE), sorted(names - set(_table.TABLE))
+
+
+def _unknown_primitive():
+    """A primitive no table knows (``x ↦ 2x``), with an implementation and a lowering, and no rule for reduced types."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    double = Primitive("optax_adascale_test_double")
+    double.def_impl(lambda x: 2 * x)
+    double.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(double, mlir.lower_fun(lambda x: 2 * x, multiple_results=False))
+    return double
+
+
+DOUBLE = _unknown_primitive()
+
+
+def _drop_in_on(loss):
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    w = np.linspace(-1.0, 1.0, 8 * 4, dtype=np.float32).reshape(8, 4)
+    x = np.linspace(0.0, 2.0, 16 * 8, dtype=np.float32).reshape(16, 8)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        ours = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))(w, xs)
+        ref = jax.jit(jax.value_and_grad(loss))(w, xs)
+    return ours, ref
+
+
+def test_an_unknown_primitive_applied_to_a_parameter_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"primitive 'optax_adascale_test_double' to a parameter.*nearest class is"):
+        _drop_in_on(lambda w, x: jnp.mean(jnp.tanh(x @ DOUBLE.bind(w))))
+
+
+def test_an_unknown_primitive_applied_to_the_batch_alone_is_bound_as_traced():
+    (value, grads, _), (ref_value, ref_grads) = _drop_in_on(lambda w, x: jnp.mean(jnp.tanh(DOUBLE.bind(x) @ w)))
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(ref_grads), rtol=1e-5, atol=1e-7)
