@@ -292,7 +292,7 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert, specs, arg_specs
             return _global.run(loss_fn, has_aux, layout, params_in, args_in, trace, unroll, n_state)
         except ValueError:
             raise
-        except Exception as err:  # noqa: BLE001 - JAX's own error, where a loss written for Auto axes meets Explicit ones
+        except Exception as err:  # noqa: BLE001 - no path chosen: JAX's error as our refusal (an Auto loss on Explicit axes)
             raise ValueError(_auto_refusal(layout, convert, err)) from err
 
     captured = [closed.consts[i] for i in outer]

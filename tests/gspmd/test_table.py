@@ -31,6 +31,17 @@ def test_every_name_in_the_table_is_a_primitive_of_this_jax(name):
         assert found.name == name
 
 
+def test_the_primitive_names_the_rules_compare_with_are_in_the_table():
+    """A rule that singles out one primitive of its class by name (``gather``, ``pad``) names one the table holds."""
+    import pathlib
+    import re
+
+    source = "".join(p.read_text() for p in pathlib.Path(_table.__file__).parent.glob("*.py"))
+    named = set(re.findall(r"primitive\.name (?:==|!=) \"([\w-]+)\"", source))
+    named |= set(re.findall(r"\bname (?:==|!=) \"([\w-]+)\"", source)) - {"param_specs"}
+    assert named and named <= set(_table.TABLE), named - set(_table.TABLE)
+
+
 @pytest.mark.parametrize(
     "name", ["pjit", "core_call", "checkpoint", "pcast", "custom_vjp_call_jaxpr", "argsort", "expand_dims", "copy_p"]
 )
