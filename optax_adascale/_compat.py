@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -211,11 +211,245 @@ def custom_call_bind_params(
     return params
 
 
-# --------------------------------------------------------------------------- core reads (issue 39, house-core)
-# The reads the optimizer's own modules make (core/, the state readers), outside the drop-in's jaxpr walks.
+# --------------------------------------------------------------------------- tracers
+# The one read of jax.core.Tracer: core/ (the checks), the state readers and the drop-in all ask through it.
 
 
 def is_tracer(value: Any) -> bool:
     """Whether ``value`` is traced (an abstract value under ``jit``, ``grad``, ``vmap``...), not a concrete one:
     ``jax.core.Tracer``. A check of a hyperparameter's value runs only where it is concrete."""
     return isinstance(value, jax.core.Tracer)
+
+
+# =========================================================================== the jaxpr facade (gspmd)
+# Everything the drop-in's interpreter (optax_adascale/gspmd) reads of a jaxpr, in one place: the one traversal
+# (`walk`), binding an equation as JAX's evaluator binds it (`bind`: its parameters, context and name stack), an
+# equation's parameters by meaning (one function per read, with what each JAX calls it), closed jaxprs (`is_tracer`
+# above).
+# gspmd/ reads no `eqn.params` key and imports nothing of `jax.core`, `jax.extend` or `jax._src` itself.
+
+
+def closed_jaxpr(jaxpr: Any, consts: Any) -> Any:
+    """``jaxpr`` closed over ``consts`` (``jax.extend.core.ClosedJaxpr``; JAX 0.12 makes it the ``Jaxpr`` class)."""
+    from jax.extend.core import ClosedJaxpr
+
+    return ClosedJaxpr(jaxpr, list(consts))
+
+
+def open_jaxpr(jaxpr: Any) -> tuple[Any, list[Any]]:
+    """``(jaxpr, consts)`` of a closed jaxpr, or of an open one (no consts): both kinds sit in equation parameters
+    (``remat2`` and JAX 0.12 hold open ones, ``jit``, ``scan`` and ``cond`` closed ones on JAX 0.10-0.11)."""
+    return getattr(jaxpr, "jaxpr", jaxpr), list(getattr(jaxpr, "consts", ()))
+
+
+@contextlib.contextmanager
+def source_of(eqn: Any) -> Iterator[None]:
+    """Inside, what is bound carries ``eqn``'s name stack (the user's ``jax.named_scope``\\ s, under the current one)
+    and traceback, as ``core.eval_jaxpr`` keeps them; where ``source_info_util`` moved, the ops lose their names."""
+    try:
+        from jax._src import source_info_util
+    except ImportError:  # pragma: no cover - moved: profiles lose the names, nothing else
+        yield
+        return
+    names = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=names):
+        yield
+
+
+def walk(jaxpr: Any, consts: Any, args: Any, rule: Any, literal: Any = None, *, named: bool = False) -> list[Any]:
+    """The one traversal of a jaxpr: for each equation in order, ``rule(eqn, inputs) -> outputs`` (a list, one per
+    output variable), the inputs being what ``consts``/``args`` (bound to its constvars and invars) or earlier
+    equations gave their variables, a literal operand ``literal(its value)`` (its value by default). What flows can
+    be values (an evaluator) or facts about them (a dataflow analysis). ``named``: each rule runs under
+    :func:`source_of` its equation, so what it binds keeps the user's scopes. Returns what the outputs hold."""
+    lit: Any = literal_type()
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: (v.val if literal is None else literal(v.val)) if isinstance(v, lit) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        with source_of(eqn) if named else contextlib.nullcontext():
+            outs = rule(eqn, [read(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def is_literal(v: Any) -> bool:
+    """Whether a jaxpr operand is a literal (a constant written into the equation), not a variable."""
+    return isinstance(v, literal_type())
+
+
+def bind(eqn: Any, args: Any, params: dict[str, Any] | None = None, *, context: bool = True, drop: Any = None) -> Any:
+    """``eqn``'s primitive bound to ``args`` as ``core.eval_jaxpr`` binds it: its bind parameters (``params`` in place
+    of its own, ``get_bind_params``), inside its context (``eqn.ctx.manager``: compute type, threefry mode, XLA
+    metadata, the mesh it was traced under) where ``context``. ``drop(value)``: a parameter it is true of is bound
+    as ``None`` (a sharding the rebinding must not keep)."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+    if drop is not None:
+        bind_params = {k: (None if drop(v) else v) for k, v in bind_params.items()}
+    with eqn.ctx.manager if context else contextlib.nullcontext():
+        return eqn.primitive.bind(*subfuns, *args, **bind_params)
+
+
+def with_params(eqn: Any, **changes: Any) -> dict[str, Any]:
+    """``eqn``'s parameters with ``changes`` (to :func:`bind` it otherwise)."""
+    return {**eqn.params, **changes}
+
+
+# ---- an equation's parameters, by meaning
+
+
+def sub_jaxprs(eqn: Any) -> list[tuple[Any, list[Any]]]:
+    """The jaxprs an equation carries (a call's body, a loop's, a ``cond``'s branches), as ``(jaxpr, consts)``, in a
+    fixed order (by parameter name)."""
+    out = []
+    for key in sorted(eqn.params):
+        value = eqn.params[key]
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns"):
+                out.append(open_jaxpr(v))
+    return out
+
+
+def body(eqn: Any) -> tuple[Any, list[Any]]:
+    """``(jaxpr, consts)`` of a call-like equation's body: ``jaxpr`` (``jit``, ``remat2``, ``scan``, ``shard_map``) or
+    ``call_jaxpr`` (``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``)."""
+    return open_jaxpr(eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"])
+
+
+class Scan(NamedTuple):
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+def scan_params(eqn: Any) -> Scan:
+    """A ``scan``'s counts (:func:`scan_counts`) and options; its body is :func:`body`."""
+    p = eqn.params
+    return Scan(*scan_counts(p), p["length"], p["reverse"], p["unroll"])
+
+
+class While(NamedTuple):
+    cond_consts: int
+    body_consts: int
+    cond: tuple[Any, list[Any]]
+    body: tuple[Any, list[Any]]
+
+
+def while_params(eqn: Any) -> While:
+    """A ``while``'s operands are ``(cond consts, body consts, carry)``; its cond and body, each ``(jaxpr, consts)``,
+    take their own consts then the carry."""
+    p = eqn.params
+    return While(p["cond_nconsts"], p["body_nconsts"], open_jaxpr(p["cond_jaxpr"]), open_jaxpr(p["body_jaxpr"]))
+
+
+def cond_branches(eqn: Any) -> list[tuple[Any, list[Any]]]:
+    """A ``cond``'s branches (its operands: the index, then the branches' arguments)."""
+    return [open_jaxpr(b) for b in eqn.params["branches"]]
+
+
+def remat_options(eqn: Any) -> tuple[bool, Any]:
+    """``(prevent_cse, policy)`` of a ``remat2`` (``jax.checkpoint``)."""
+    return eqn.params.get("prevent_cse", True), eqn.params.get("policy")
+
+
+class ShardMap(NamedTuple):
+    mesh: Any
+    in_specs: tuple[Any, ...]
+    out_specs: tuple[Any, ...]
+    manual_axes: frozenset[str]
+    check_vma: bool
+
+
+def shard_map_params(eqn: Any) -> ShardMap:
+    """A ``shard_map``'s mesh, specs, manual axes (:func:`shard_map_manual_axes`) and type checks (``check_vma``;
+    ``check_rep`` before JAX 0.6); its body is :func:`body`."""
+    p = eqn.params
+    check = p.get("check_vma", p.get("check_rep", True))
+    return ShardMap(p["mesh"], tuple(p["in_specs"]), tuple(p["out_specs"]), shard_map_manual_axes(p), check)
+
+
+def target_sharding(eqn: Any) -> Any:
+    """Where a ``reshard`` (``dst_sharding``) or ``sharding_constraint`` (``sharding``) puts its operand."""
+    return eqn.params["dst_sharding"] if "dst_sharding" in eqn.params else eqn.params["sharding"]
+
+
+def out_sharding(eqn: Any) -> tuple[str, Any] | None:
+    """``(key, sharding)`` of the output sharding an equation was traced with (``out_sharding``: ``dot_general``,
+    ``reduce_sum``; ``sharding``: ``reshape``, ``broadcast_in_dim``, casts), or ``None`` where it has none."""
+    for key in ("out_sharding", "sharding"):
+        if key in eqn.params:
+            return key, eqn.params[key]
+    return None
+
+
+def contraction_dims(eqn: Any) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """``((lhs contracting, rhs contracting), (lhs batch, rhs batch))`` of a ``dot_general``."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+def reduced_dims(eqn: Any) -> tuple[int, ...]:
+    """The dimensions a reduction (``reduce_*``, ``argmax``, ``argmin``) reduces."""
+    return tuple(eqn.params["axes"])
+
+
+def along_dims(eqn: Any, rank: int) -> tuple[int, ...]:
+    """The dimensions an equation works along, of an operand of rank ``rank``: a cumulative op's or ``top_k``'s
+    ``axis`` (``top_k`` before JAX 0.10: the last), ``sort``'s ``dimension``, ``rev``'s ``dimensions``,
+    ``concatenate``'s ``dimension``."""
+    p = eqn.params
+    if "dimensions" in p:
+        return tuple(p["dimensions"])
+    axis = p.get("axis", p.get("dimension", -1))
+    return (axis % max(rank, 1),)
+
+
+def padded_dims(eqn: Any) -> tuple[int, ...]:
+    """The dimensions a ``pad`` changes."""
+    return tuple(d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) != (0, 0, 0))
+
+
+def gather_dims(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offset dims, indexed dims)`` of a ``gather``: the output dimensions that index within each slice (the
+    others follow the indices), and the operand dimensions the indices index (``start_index_map``)."""
+    dn = eqn.params["dimension_numbers"]
+    return tuple(dn.offset_dims), tuple(dn.start_index_map)
+
+
+def conv_batch(eqn: Any) -> tuple[int, int, int]:
+    """``(lhs batch dimension, output batch dimension, batch_group_count)`` of a ``conv_general_dilated``."""
+    dn = eqn.params["dimension_numbers"]
+    return dn.lhs_spec[0], dn.out_spec[0], eqn.params.get("batch_group_count", 1)
+
+
+def cast_axes(eqn: Any) -> tuple[str, ...]:
+    """The mesh axes a ``pvary`` makes its operand vary over."""
+    return tuple(eqn.params["axes"])
+
+
+def primitive(name: str) -> Any:
+    """The primitive JAX binds under ``name``: from its public surface (``jax.extend.core.primitives``, ``jax.lax``)
+    where it is there, else from the private module that defines it on JAX 0.10-0.12; ``None`` if this JAX has
+    none by that name (it was renamed or removed)."""
+    from jax.extend.core import Primitive
+    from jax.extend.core import primitives as public
+
+    for module in (public, jax.lax):
+        for value in vars(module).values():
+            if isinstance(value, Primitive) and value.name == name:
+                return value
+    import importlib
+
+    private = ("shard_map", "pjit", "core", "lax.parallel", "random.prng", "lax.control_flow.conditionals")
+    for where in (f"jax._src.{name}" for name in private):
+        try:
+            module = importlib.import_module(where)
+        except ImportError:  # pragma: no cover - moved: looked for in the others
+            continue
+        for value in vars(module).values():
+            if isinstance(value, Primitive) and value.name == name:
+                return value
+    return None

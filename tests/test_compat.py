@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
@@ -138,3 +139,190 @@ def test_is_tracer_tells_a_traced_value_from_a_concrete_one():
     jax.grad(lambda x: seen.append(_compat.is_tracer(x)) or x)(1.0)
     assert seen == [True, True, True]
     assert not any(_compat.is_tracer(v) for v in (1.0, np.float32(1.0), jnp.ones(2), None, "x"))
+
+
+# --------------------------------------------------------------------------- the jaxpr facade (gspmd)
+
+
+def _eqn(f, *args, name=None):
+    """The first equation of ``jax.make_jaxpr(f)(*args)`` binding ``name``, in calls too (the last one if ``name`` is
+    None)."""
+    eqns = jax.make_jaxpr(f)(*args).jaxpr.eqns
+    if name is None:
+        return eqns[-1]
+    while eqns:
+        found = [e for e in eqns if e.primitive.name == name]
+        if found:
+            return found[0]
+        eqns = [e for eqn in eqns for jaxpr, _ in _compat.sub_jaxprs(eqn) for e in jaxpr.eqns]
+    raise LookupError(name)
+
+
+def test_closed_and_open_jaxprs_round_trip_with_their_consts():
+    w = jnp.arange(3.0)
+    closed = jax.make_jaxpr(lambda x: x * w)(jnp.ones(3))
+    jaxpr, consts = _compat.open_jaxpr(closed)
+    again = _compat.closed_jaxpr(jaxpr, [3 * c for c in consts])  # the same jaxpr over other consts
+    (out,) = jax.core.eval_jaxpr(*_compat.open_jaxpr(again), jnp.full(3, 2.0))
+    np.testing.assert_array_equal(out, 6.0 * np.arange(3.0))
+    remat = _eqn(jax.checkpoint(lambda x: jnp.sin(x)), 1.0)  # an open jaxpr in the equation: no consts
+    assert _compat.open_jaxpr(remat.params["jaxpr"])[1] == []
+
+
+def test_walk_runs_a_rule_per_equation_with_literals_and_consts_read():
+    w = jnp.float32(3.0)
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x * 2.0) + w)(1.0)
+    jaxpr, consts = _compat.open_jaxpr(closed)
+    seen = []
+
+    def rule(eqn, ins):
+        seen.append(eqn.primitive.name)
+        return [_compat.bind(eqn, ins)]
+
+    (out,) = _compat.walk(jaxpr, consts, [0.5], rule)
+    assert float(out) == pytest.approx(np.sin(1.0) + 3.0)
+    assert seen == [e.primitive.name for e in jaxpr.eqns]
+    # facts in place of values: which outputs depend on the input (a literal depends on nothing)
+    facts = _compat.walk(jaxpr, [False] * len(consts), [True], lambda e, ins: [any(ins)], literal=lambda _: False)
+    assert facts == [True]
+
+
+def test_walk_named_keeps_the_users_named_scopes_in_the_lowered_program():
+    def scoped(a):
+        with jax.named_scope("kept_by_walk"):
+            return jnp.sin(a)
+
+    jaxpr, consts = _compat.open_jaxpr(jax.make_jaxpr(scoped)(1.0))
+    again = lambda a, named: _compat.walk(jaxpr, consts, [a], lambda e, ins: [_compat.bind(e, ins)], named=named)  # noqa: E731
+    assert "kept_by_walk" in jax.jit(lambda a: again(a, True)).lower(1.0).as_text(debug_info=True)
+    assert "kept_by_walk" not in jax.jit(lambda a: again(a, False)).lower(1.0).as_text(debug_info=True)
+
+
+def test_is_literal_is_true_of_literal_operands_only():
+    eqn = _eqn(lambda x: x * 2.0, 1.0)
+    assert [_compat.is_literal(v) for v in eqn.invars] == [False, True]
+
+
+def test_bind_rebinds_an_equation_with_its_own_or_changed_parameters():
+    eqn = _eqn(lambda x: jnp.sum(x, axis=0), jnp.ones((2, 3)), name="reduce_sum")
+    x = jnp.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(_compat.bind(eqn, [x]), x.sum(0))
+    np.testing.assert_array_equal(_compat.bind(eqn, [x], _compat.with_params(eqn, axes=(1,))), x.sum(1))
+    cast = _eqn(lambda x: x.astype(jnp.bfloat16), jnp.ones(2), name="convert_element_type")
+    assert _compat.bind(cast, [x], context=False, drop=lambda v: v is None).dtype == jnp.bfloat16
+
+
+def test_sub_jaxprs_and_body_are_the_jaxprs_an_equation_carries():
+    cond = _eqn(lambda p, x: jax.lax.cond(p, jnp.sin, jnp.cos, x), True, 1.0, name="cond")
+    assert len(_compat.sub_jaxprs(cond)) == 2
+    call = _eqn(lambda x: jax.jit(jnp.sin)(x), 1.0, name="jit")
+    jaxpr, _ = _compat.body(call)
+    assert [e.primitive.name for e in jaxpr.eqns] == ["sin"]
+    custom = _eqn(jax.nn.relu, 1.0, name="custom_jvp_call")
+    assert _compat.body(custom)[0].eqns
+
+
+def test_scan_params_are_its_counts_and_options():
+    def f(c, xs):
+        return jax.lax.scan(lambda c, x: (c + x, x), c, xs, reverse=True, unroll=2)
+
+    eqn = _eqn(f, 0.0, jnp.ones(4), name="scan")
+    assert _compat.scan_params(eqn) == (0, 1, 4, True, 2)
+
+
+def test_while_params_split_the_operands_between_cond_and_body():
+    def f(bound, step, x):
+        return jax.lax.while_loop(lambda c: c < bound, lambda c: c + step, x)
+
+    eqn = _eqn(f, 5.0, 1.0, 0.0, name="while")
+    cn, bn, (cond, _), (body, _) = _compat.while_params(eqn)
+    assert (cn, bn) == (1, 1)
+    assert len(cond.invars) == cn + 1 and len(body.invars) == bn + 1
+    assert [v.aval.shape for v in eqn.invars] == [(), (), ()]
+
+
+def test_cond_branches_take_the_operands_after_the_index():
+    eqn = _eqn(
+        lambda i, x, y: jax.lax.switch(i, [lambda a, b: a, lambda a, b: b, lambda a, b: a * b], x, y), 0, 1.0, 2.0
+    )
+    branches = _compat.cond_branches(eqn)
+    assert len(branches) == 3 and all(len(b.invars) == len(eqn.invars) - 1 for b, _ in branches)
+
+
+def test_remat_options_are_the_checkpoints():
+    policy = jax.checkpoint_policies.nothing_saveable
+    eqn = _eqn(jax.checkpoint(jnp.sin, prevent_cse=False, policy=policy), 1.0, name="remat2")
+    assert _compat.remat_options(eqn) == (False, policy)
+
+
+def test_shard_map_params_are_its_mesh_specs_and_manual_axes():
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("data")))
+        f = jax.shard_map(lambda b: b * 2, in_specs=P("data"), out_specs=P("data"), axis_names={"data"})
+        eqn = _eqn(f, x, name="shard_map")
+    sm = _compat.shard_map_params(eqn)
+    assert (sm.in_specs, sm.out_specs, sm.manual_axes, sm.check_vma) == ((P("data"),), (P("data"),), {"data"}, True)
+    assert tuple(sm.mesh.axis_names) == ("data", "model")
+    assert _compat.body(eqn)[0].eqns
+
+
+def test_target_and_out_shardings_are_where_equations_put_their_results():
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((4, 2)), NamedSharding(mesh, P("data")))
+        reshard = _eqn(lambda a: jax.reshard(a, P()), x, name="reshard")
+        dot = _eqn(lambda a: jnp.einsum("bd,be->de", a, a, out_sharding=P()), x, name="dot_general")
+    auto = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))  # Auto axes: a constraint is a hint
+    hint = _eqn(lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(auto, P("data"))), jnp.ones(4))
+    assert tuple(_compat.target_sharding(reshard).spec) in [(), (None, None)]
+    assert _compat.target_sharding(hint).spec == P("data")
+    key, sharding = _compat.out_sharding(dot)
+    assert key == "out_sharding" and tuple(sharding.spec) in [(), (None, None)]
+    assert _compat.out_sharding(_eqn(jnp.sin, 1.0)) is None
+
+
+def test_contraction_dims_are_a_dot_generals_dimension_numbers():
+    eqn = _eqn(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5)))
+    assert _compat.contraction_dims(eqn) == (((2,), (1,)), ((0,), (0,)))
+
+
+@pytest.mark.parametrize(
+    ("f", "name", "expected"),
+    [
+        (lambda x: jnp.cumsum(x, axis=1), "cumsum", (1,)),
+        (lambda x: jnp.sort(x, axis=0), "sort", (0,)),
+        (lambda x: jax.lax.top_k(x, 2)[0], "top_k", (1,)),
+        (lambda x: jax.lax.rev(x, (0, 1)), "rev", (0, 1)),
+        (lambda x: jnp.concatenate([x, x], axis=1), "concatenate", (1,)),
+    ],
+)
+def test_along_dims_are_the_dimensions_an_operation_works_along(f, name, expected):
+    assert _compat.along_dims(_eqn(f, jnp.ones((3, 4)), name=name), 2) == expected
+
+
+def test_reduced_padded_offset_and_batch_dims_are_read_from_their_equations():
+    assert _compat.reduced_dims(_eqn(lambda x: jnp.max(x, axis=1), jnp.ones((2, 3)), name="reduce_max")) == (1,)
+    assert _compat.padded_dims(_eqn(lambda x: jax.lax.pad(x, 0.0, [(0, 0, 0), (1, 2, 0)]), jnp.ones((2, 3)))) == (1,)
+    gather = _eqn(lambda t, i: t[i], jnp.ones((5, 3)), jnp.zeros(4, jnp.int32), name="gather")
+    assert _compat.gather_dims(gather) == ((1,), (0,))
+    conv = _eqn(
+        lambda x, k: jax.lax.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")),
+        jnp.ones((2, 8, 3)),
+        jnp.ones((3, 3, 4)),
+    )
+    assert _compat.conv_batch(conv) == (0, 0, 1)
+
+
+def test_cast_axes_are_the_axes_pvary_makes_a_value_vary_over():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    f = jax.shard_map(lambda w: jax.lax.pcast(w, "x", to="varying"), mesh=mesh, in_specs=P(), out_specs=P("x"))
+    body, _ = _compat.body(_eqn(f, jnp.ones(2), name="shard_map"))
+    (eqn,) = [e for e in body.eqns if e.primitive.name == "pvary"]
+    assert _compat.cast_axes(eqn) == ("x",)
+
+
+@pytest.mark.parametrize("name", ["dot_general", "reshard", "shard_map", "pvary", "psum_invariant", "remat2"])
+def test_primitive_finds_what_jax_binds_by_name(name):
+    assert _compat.primitive(name).name == name
+    assert _compat.primitive("no_such_primitive") is None

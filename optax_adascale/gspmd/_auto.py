@@ -1,8 +1,22 @@
-"""A loss written for Auto axes, run on Explicit ones: the decisions Explicit types ask for, made as GSPMD makes them.
+"""A loss written for Auto axes, run on Explicit ones: where Explicit types ask for a decision, GSPMD's, by class.
 
-On a mesh with Auto axes the drop-in runs the loss with every axis made Explicit (``_drop_in._converted``). An
-equation that Explicit types refuse there (JAX raises: they ask where a result goes) gets GSPMD's own decision
-(:func:`decide`); the loss's sharding hints for the Auto axes become constraints (:func:`hint`).
+On a mesh with Auto axes the drop-in runs the loss with every axis made Explicit (``_drop_in._converted``). Explicit
+types then ask where a result goes wherever operands are sharded differently; a loss written for Auto axes never
+says, GSPMD decides. :func:`decide` makes GSPMD's decision for an equation without a parameter's copy, from its
+class (``_table``) and its operands' types:
+
+* elementwise: operands sharded alike (a replicated operand resharded like the sharded one of the same shape;
+  operands whose specs conflict gathered off the model axes, then, if they still conflict, off every axis);
+* a contraction sums its partial products: its output sharded like the operands' free and batch dimensions, the
+  contracted axes dropped (:func:`contraction_sharding`, also for a contraction with the rows and a copy);
+* an operation along a dimension (sort, cumsum, top_k, rev, concatenate) split over some axes: on its operands
+  gathered off those axes, as the Explicit way writes it (``jax.reshard``);
+* a lookup (a gather from an operand not split like its indices, or along a split dimension): sharded like its
+  indices, the converted axes Auto inside (:func:`gather_indexed`);
+* anything else as traced: where Explicit types cannot express it, JAX's error becomes our refusal
+  (``_drop_in._auto_refusal``, naming an Explicit mesh as the fix).
+
+The loss's sharding hints for the Auto axes become constraints (:func:`hint`).
 """
 
 from __future__ import annotations
@@ -15,45 +29,71 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_adascale import _compat
 from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd._layout import Layout
+from optax_adascale.gspmd._table import Kind
 
 
-def decide(interp, eqn, invals, reduced_in: bool):
-    """A loss written for Auto axes, re-evaluated on Explicit ones, where Explicit types ask for a decision GSPMD
-    makes by itself: ``(outputs,)``, or ``None`` if none of GSPMD's applies. In order: same-shape operands
-    sharded alike (``select_n``); a contraction over a dimension both operands shard over a model axis sums
-    its partial products (the output sharded like the operands' free dimensions); any other equation runs on
-    operands gathered off the model axes (the data axes kept: the batch stays the batch); an embedding
-    lookup is sharded like its indices; and an equation of activations alone, failing that, on operands
-    gathered off every axis (across the rows, a sort: the rows gathered, as the Explicit way writes it)."""
-    tries = []
-    if not reduced_in:
-        aligned = _aligned(invals)
-        if aligned is not None:
-            tries.append(lambda: interp.bind(eqn, aligned))
-    if eqn.primitive.name == "dot_general":
-        params = dict(eqn.params, out_sharding=contraction_sharding(eqn, invals))
-        tries.append(lambda: interp.bind(eqn, invals, params))
-    every = frozenset(interp.layout.axis_names)
-    model = every - interp.data
-    if any(model & _layout.axes_of(x) for x in invals):
-        tries.append(lambda: interp.bind(eqn, [_off_axes(x, model) for x in invals]))
-    if eqn.primitive.name == "gather":
-        tries.append(lambda: gather_indexed(interp, eqn, invals))
-    if not reduced_in and any(interp.data & _layout.axes_of(x) for x in invals):  # across the rows (sort)
-        tries.append(lambda: interp.bind(eqn, [_off_axes(x, every) for x in invals]))
-    for attempt in tries:
-        try:
-            return (attempt(),)
-        except Exception:  # noqa: BLE001 - not this decision: the next one
-            continue
-    return None
+def decide(layout: Layout, kind: Kind, eqn, invals: list[Any]) -> Any:
+    """``eqn`` (no copy among its operands) bound with GSPMD's decision for its class (the module docstring)."""
+    if kind is Kind.ELEMENTWISE:
+        return _layout.bind(layout, eqn, _alike(layout, invals))
+    if kind is Kind.CONTRACTION:
+        return _layout.bind(layout, eqn, invals, contraction_params(eqn, invals))
+    if kind is Kind.ALONG:
+        rank = jnp.ndim(invals[0])
+        along = set(_compat.along_dims(eqn, rank))
+        axes = frozenset(a for x in invals if jnp.ndim(x) for d in along for a in _spec_axes(x, d))
+        return _layout.bind(layout, eqn, [_off_axes(x, axes) for x in invals] if axes else invals)
+    if looks_up(eqn, invals):
+        return gather_indexed(layout, eqn, invals)
+    return _layout.bind(layout, eqn, invals)
+
+
+def looks_up(eqn, invals: list[Any]) -> bool:
+    """A gather whose rows come from its indices into an operand not split like them (an embedding lookup, a copy of
+    the table included), or that indexes a dimension the operand is split along: GSPMD's lookup decision
+    (:func:`gather_indexed`). A gather within each row of operands split alike (``take_along_axis``) is not one."""
+    if eqn.primitive.name != "gather":
+        return False
+    operand, indices = invals
+    split = {a for d in _compat.gather_dims(eqn)[1] for a in _spec_axes(operand, d)}
+    return bool(split or _layout.axes_of(indices) - _layout.axes_of(operand))
+
+
+def _alike(layout: Layout, invals: list[Any]) -> list[Any]:
+    """Elementwise operands sharded alike: the replicated ones resharded like the one sharded operand of their shape;
+    where two specs conflict, every operand gathered off the model axes, then off every axis."""
+    arrays = [x for x in invals if _layout.is_array(x) and jnp.ndim(x)]
+    specs = {_layout.partitions(x) for x in arrays if any(e is not None for e in _layout.partitions(x))}
+    if len(specs) <= 1:
+        if len({tuple(x.shape) for x in arrays}) != 1 or not specs:
+            return invals
+        (spec,) = specs
+        replicated = {id(x) for x in arrays if all(e is None for e in _layout.partitions(x))}
+        return [jax.reshard(x, P(*spec)) if id(x) in replicated else x for x in invals]
+    every = frozenset(layout.axis_names)
+    for axes in (every - frozenset(layout.data), every):
+        out = [_off_axes(x, axes) for x in invals]
+        if len({_layout.partitions(x) for x in out if _layout.is_array(x) and jnp.ndim(x)}) <= 1:
+            return out
+    return out
+
+
+def _spec_axes(x: Any, d: int) -> tuple[str, ...]:
+    return _layout.spec_axes(_layout.partitions(x)[d]) if d < jnp.ndim(x) else ()
+
+
+def contraction_params(eqn, invals) -> dict[str, Any]:
+    """A ``dot_general``'s parameters with GSPMD's output sharding (:func:`contraction_sharding`)."""
+    return _compat.with_params(eqn, out_sharding=contraction_sharding(eqn, invals))
 
 
 def contraction_sharding(eqn, invals) -> NamedSharding:
     """GSPMD's output sharding for a ``dot_general``: batch and free dimensions keep their operands' specs,
     the contracted axes (and any axis already used) are dropped: the partial products are summed."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = _compat.contraction_dims(eqn)
     lhs, rhs = (_layout.partitions(x) for x in invals)
     contracted = {a for d in lc for a in _layout.spec_axes(lhs[d])} | {a for d in rc for a in _layout.spec_axes(rhs[d])}
     entries = [lhs[d] for d in lb]
@@ -68,56 +108,32 @@ def contraction_sharding(eqn, invals) -> NamedSharding:
     return NamedSharding(jax.sharding.get_abstract_mesh(), P(*out))
 
 
-def gather_indexed(interp, eqn, invals):
-    """A gather traced on Auto axes that Explicit types find ambiguous (an embedding lookup): run with the
-    converted axes Auto, its output sharded like its indices' batch dimensions (``.at[].get(out_sharding=)``)."""
+def gather_indexed(layout: Layout, eqn, invals):
+    """A gather traced on Auto axes (an embedding lookup): run with the converted axes Auto, its output sharded like
+    its indices' batch dimensions (``.at[].get(out_sharding=)``)."""
     operand, indices = invals
-    offset = set(eqn.params["dimension_numbers"].offset_dims)
+    offset = set(_compat.gather_dims(eqn)[0])
     batch = iter(_layout.partitions(indices)[:-1])
     out_rank = len(offset) + jnp.ndim(indices) - 1
     parts = [None if d in offset else next(batch) for d in range(out_rank)]
-    parts = [_layout.strip(e, frozenset(interp.layout.axis_names) - interp.convert) for e in parts]
-    fn = lambda op, idx: interp.bind(eqn, [op, idx])  # noqa: E731
-    return jax.sharding.auto_axes(fn, axes=tuple(sorted(interp.convert)), out_sharding=P(*parts))(operand, indices)
+    parts = [_layout.strip(e, frozenset(layout.axis_names) - layout.convert) for e in parts]
+    fn = lambda op, idx: _layout.bind(layout, eqn, [op, idx])  # noqa: E731
+    return jax.sharding.auto_axes(fn, axes=tuple(sorted(layout.convert)), out_sharding=P(*parts))(operand, indices)
 
 
-def hint(interp, x, spec):
+def hint(layout: Layout, x, spec):
     """A sharding written for the Auto mesh, on the Explicit one: its axes not made Explicit, as a constraint."""
     if spec is None:
         return x
-    parts = tuple(_layout.strip(e, interp.convert) for e in spec.partitions)
+    parts = tuple(_layout.strip(e, layout.convert) for e in spec.partitions)
     if all(p is None for p in parts):
         return x
     return lax.with_sharding_constraint(x, P(*parts))
 
 
-def _aligned(invals: list[Any]) -> list[Any] | None:
-    """Same-shape operands, the replicated ones resharded like the one sharded operand; ``None`` if not that case."""
-    arrays = [x for x in invals if hasattr(x, "shape") and jnp.ndim(x)]
-    shapes = {tuple(x.shape) for x in arrays}
-    specs = {_layout.partitions(x) for x in arrays if any(e is not None for e in _layout.partitions(x))}
-    if len(shapes) != 1 or len(specs) != 1:
-        return None
-    (spec,) = specs
-    return [
-        jax.reshard(x, P(*spec))
-        if hasattr(x, "shape") and jnp.ndim(x) and all(e is None for e in _layout.partitions(x))
-        else x
-        for x in invals
-    ]
-
-
 def _off_axes(x: Any, axes: frozenset[str]) -> Any:
     """``x`` gathered off ``axes`` (its ``reduced`` axes kept); anything else as it is."""
-    if not isinstance(x, jax.Array) and not hasattr(x, "aval"):
-        return x
-    if not jnp.ndim(x) or not axes & _layout.axes_of(x):
+    if not _layout.is_array(x) or not jnp.ndim(x) or not axes & _layout.axes_of(x):
         return x
     parts = tuple(_layout.strip(e, axes) for e in _layout.partitions(x))
     return jax.reshard(x, P(*parts, reduced=_layout.reduced_axes(x)))
-
-
-def auto_sharding(v: Any) -> bool:
-    """A sharding parameter naming a mesh with Auto axes (a loss traced on such a mesh): dropped when re-bound."""
-    mesh = getattr(v, "mesh", None)
-    return isinstance(v, NamedSharding) and mesh is not None and bool(_layout.auto_axes(mesh))

@@ -19,14 +19,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd import _auto, _layout
+from optax_adascale.gspmd._layout import Layout
+from optax_adascale.gspmd._table import Kind, kind_of
 
-CONTRACTIONS = ("dot_general", "reduce_sum")
+CONTRACTIONS = (Kind.CONTRACTION, Kind.SUM)
 
 
-def per_copy(interp: Any, bound, eqn, invals: list[Any]) -> list[Any]:
+def per_copy(layout: Layout, evaluate, bound, eqn, invals: list[Any]) -> list[Any]:
     """``eqn`` (a custom call with ``reduced`` inputs; ``bound(*xs)`` binds it) forward on plain values, backward
-    per copy."""
+    per copy. ``evaluate(jaxpr, consts, args, partial)``: the interpreter on ``jaxpr`` with the contractions
+    ``partial`` (``id``\\ s of equations) left ``unreduced``."""
     red = [_layout.reduced_axes(x) if hasattr(x, "shape") else frozenset() for x in invals]
     multiple = eqn.primitive.multiple_results
 
@@ -44,21 +47,18 @@ def per_copy(interp: Any, bound, eqn, invals: list[Any]) -> list[Any]:
         return out, vjp_fn
 
     def bwd(vjp_fn, cts):
-        closed = jax.make_jaxpr(lambda c: vjp_fn(c))(cts)
-        targets = [i for i, r in enumerate(red) if r]
-        partial = _partial_contractions(closed.jaxpr, targets)
-        sub = interp.derived(partial=partial)
-        outs = sub.eval(closed.jaxpr, closed.consts, list(jax.tree.leaves(cts)))
+        jaxpr, consts = _compat.open_jaxpr(jax.make_jaxpr(lambda c: vjp_fn(c))(cts))
+        partial = _partial_contractions(jaxpr, [i for i, r in enumerate(red) if r])
+        outs = evaluate(jaxpr, consts, list(jax.tree.leaves(cts)), partial)
         result = []
-        for i, (g, r, x) in enumerate(zip(outs, red, invals, strict=True)):
+        for i, (g, r) in enumerate(zip(outs, red, strict=True)):
             if not r:
                 result.append(g)
                 continue
             over = _layout.unreduced_axes(g)
-            if not over & interp.data:
+            if not over & frozenset(layout.data):
                 raise ValueError(_not_a_sum(eqn, i))
-            result.append(_layout.fill_partial(interp.layout, g, r - over))
-            del x
+            result.append(_layout.fill_partial(layout, g, r - over))
         return tuple(result)
 
     rule.defvjp(fwd, bwd)
@@ -67,64 +67,63 @@ def per_copy(interp: Any, bound, eqn, invals: list[Any]) -> list[Any]:
 
 
 def _partial_contractions(jaxpr, targets: list[int]) -> frozenset[int]:
-    """The contractions of ``jaxpr`` whose results reach only the outputs ``targets`` (``id``\\ s of equations)."""
-    literal = _compat.literal_type()
+    """The contractions of ``jaxpr`` whose results reach only the outputs ``targets`` (``id``\\ s of equations): a
+    walk back from the outputs, the one backward walk of the drop-in."""
     reach: dict[Any, frozenset[int]] = {}
     for i, v in enumerate(jaxpr.outvars):
-        if not isinstance(v, literal):
+        if not _compat.is_literal(v):
             reach[v] = reach.get(v, frozenset()) | {i}
     partial = set()
     wanted = frozenset(targets)
     for eqn in reversed(jaxpr.eqns):
         outs = frozenset().union(*(reach.get(v, frozenset()) for v in eqn.outvars))
-        if eqn.primitive.name in CONTRACTIONS and outs and outs <= wanted:
+        if kind_of(eqn.primitive.name) in CONTRACTIONS and outs and outs <= wanted:
             partial.add(id(eqn))
         for v in eqn.invars:
-            if not isinstance(v, literal):
+            if not _compat.is_literal(v):
                 reach[v] = reach.get(v, frozenset()) | outs
     return frozenset(partial)
 
 
-def contract_partial(interp: Any, eqn, invals: list[Any]) -> Any:
+def contract_partial(layout: Layout, eqn, invals: list[Any]) -> Any:
     """A contraction over the rows bound with its output ``unreduced`` over the data axes it contracts: each
     device's sum over its own rows. As traced where it contracts none."""
-    name = eqn.primitive.name
-    data = interp.data
-    if name == "dot_general":
-        (lc, rc), _ = eqn.params["dimension_numbers"]
+    data = frozenset(layout.data)
+    if kind_of(eqn.primitive.name) is Kind.CONTRACTION:
+        (lc, rc), _ = _compat.contraction_dims(eqn)
         lhs, rhs = (_layout.partitions(x) for x in invals)
         over = {a for d in lc for a in _layout.spec_axes(lhs[d])} & {a for d in rc for a in _layout.spec_axes(rhs[d])}
         over &= data
-        if not over:
-            return interp.bind(eqn, invals)
-        spec = interp.contraction_sharding(eqn, invals).spec
-    else:
+        spec = _auto.contraction_sharding(eqn, invals).spec
+    else:  # a sum
         (x,) = invals
         parts = _layout.partitions(x)
-        axes = set(eqn.params["axes"])
+        axes = set(_compat.reduced_dims(eqn))
         over = {a for d in axes for a in _layout.spec_axes(parts[d])} & data
-        if not over:
-            return interp.bind(eqn, invals)
         spec = P(*(e for d, e in enumerate(parts) if d not in axes))
+    if not over:
+        return _layout.bind(layout, eqn, invals)
+    traced = _compat.out_sharding(eqn)
+    key = "out_sharding" if traced is None else traced[0]
     out = NamedSharding(jax.sharding.get_abstract_mesh(), P(*spec, unreduced=frozenset(over)))
-    return interp.bind(eqn, invals, dict(eqn.params, out_sharding=out))
+    return _layout.bind(layout, eqn, invals, _compat.with_params(eqn, **{key: out}))
 
 
 def keep_unreduced(eqn, invals: list[Any]) -> dict[str, Any] | None:
     """The parameters of an equation on a per-device partial (downstream of :func:`contract_partial`) whose traced
-    ``out_sharding`` names no ``unreduced`` axes (a reshape): the same, ``unreduced`` as its operand is; else
+    output sharding names no ``unreduced`` axes (a reshape): the same, ``unreduced`` as its operand is; else
     ``None`` (bound as traced)."""
-    sharding = eqn.params.get("sharding", eqn.params.get("out_sharding"))
-    key = "sharding" if "sharding" in eqn.params else "out_sharding"
     over = frozenset().union(*(_layout.unreduced_axes(x) for x in invals if hasattr(x, "shape")))
-    if not over or sharding is None:
+    traced = _compat.out_sharding(eqn)
+    if not over or traced is None or traced[1] is None:
         return None
+    key, sharding = traced
     spec = getattr(sharding, "spec", sharding)
     if frozenset(getattr(spec, "unreduced", ())) == over:
         return None
     new = P(*spec, unreduced=over)
     mesh = getattr(sharding, "mesh", None) or jax.sharding.get_abstract_mesh()
-    return dict(eqn.params, **{key: NamedSharding(mesh, new) if isinstance(sharding, NamedSharding) else new})
+    return _compat.with_params(eqn, **{key: NamedSharding(mesh, new) if isinstance(sharding, NamedSharding) else new})
 
 
 def _not_a_sum(eqn, i: int) -> str:

@@ -27,9 +27,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr
 from jax.sharding import PartitionSpec as P
 
+from optax_adascale import _compat
 from optax_adascale.core import _checks, _microbatch
 from optax_adascale.core._samples import MicrobatchStats
 from optax_adascale.gspmd import _global, _layout, _mesh, _split
@@ -143,7 +143,8 @@ def value_and_grad(
       ValueError: ``data_axes`` not in the mesh, or not an axis the batch is
         sharded over; no mesh set; a batch not divisible by ``shards × k``;
         ``data_axes=None`` under a jit over a multi-device mesh with no replica
-        axis bound; a loss that cannot run with the data axes Explicit.
+        axis bound; a mesh of Auto and Explicit axes together; a loss that
+        cannot run with the data axes Explicit.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax_adascale
@@ -169,6 +170,7 @@ def value_and_grad(
         inner_args = (state, *arrays)
         n_state = len(jax.tree.leaves(state))
         the_mesh = _mesh.resolve_mesh(mesh, names)
+        _mesh.check_one_axis_type(the_mesh, names)
         layout = Layout.of(the_mesh, names, num_microbatches, mesh)
         specs = _layout.param_specs_like(param_specs, params, layout)
         if layout.shards == 1 and num_microbatches == 1:
@@ -231,13 +233,14 @@ def _mesh_context(the_mesh, given):
 def _converted(loss_fn, has_aux, layout: Layout, mesh, convert, specs, arg_specs, params, args, unroll=1, n_state=0):
     """The Auto axes made Explicit for the loss, which is traced once on the Auto mesh.
 
-    Reduced/unreduced types are only sound with every mesh axis Explicit (JAX 0.10 asserts it; on 0.12 a
-    mesh with Auto axes left gives wrong partials), so every Auto axis is converted. Inside, the parameters
+    Reduced/unreduced types are only sound with every mesh axis Explicit (JAX 0.10 asserts it), so every Auto
+    axis is converted (a mesh of both kinds is refused: ``_mesh.check_one_axis_type``). Inside, the parameters
     are laid out by ``specs`` (``param_specs``; replicated without them, with a warning) and the arguments by
     ``arg_specs`` (:func:`_batch_specs`: the batch sharded over the data axes); the loss's
     jaxpr is re-evaluated there with those axes dropped from its ``with_sharding_constraint``\\ s, and the
     decisions Explicit types ask for made as GSPMD makes them (``_rewrite``).
     """
+    layout = dataclasses.replace(layout, convert=frozenset(convert))
     if layout.mesh is not None:  # the concrete mesh named in the shard_maps must carry the converted types
         explicit = (jax.sharding.AxisType.Explicit,) * len(layout.axis_names)
         layout = dataclasses.replace(
@@ -277,19 +280,19 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert, specs, arg_specs
     plain = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
         closed = jax.make_jaxpr(flat_loss)(*plain, *micro)
-    outer = [i for i, c in enumerate(closed.consts) if isinstance(c, jax.core.Tracer)]
+    outer = [i for i, c in enumerate(closed.consts) if _compat.is_tracer(c)]
 
     def inner(leaves, flat, captured):
         consts = list(closed.consts)
         for i, c in zip(outer, captured, strict=True):
             consts[i] = c
-        trace = lambda *_: (ClosedJaxpr(closed.jaxpr, consts), out_tree[-1])  # noqa: E731
+        trace = lambda *_: (_compat.closed_jaxpr(closed.jaxpr, consts), out_tree[-1])  # noqa: E731
         try:
             params_in, args_in = treedef.unflatten(leaves), tree.unflatten(flat)
-            return _global.run(loss_fn, has_aux, layout, params_in, args_in, convert, trace, unroll, n_state)
+            return _global.run(loss_fn, has_aux, layout, params_in, args_in, trace, unroll, n_state)
         except ValueError:
             raise
-        except Exception as err:  # noqa: BLE001 - JAX's own error, where a loss written for Auto axes meets Explicit ones
+        except Exception as err:  # noqa: BLE001 - no path chosen: JAX's error as our refusal (an Auto loss on Explicit axes)
             raise ValueError(_auto_refusal(layout, convert, err)) from err
 
     captured = [closed.consts[i] for i in outer]

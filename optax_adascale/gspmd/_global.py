@@ -33,7 +33,7 @@ def _leaf(layout: Layout, p: Any) -> _Leaf:
     return _Leaf(P(*parts), split, bool(split & set(layout.data)))
 
 
-def run(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, ...] = (), trace=None, unroll=1, n_state=0):
+def run(loss_fn, has_aux, layout: Layout, params, args, trace=None, unroll=1, n_state=0):
     """``(value, grads, stats)`` with the data axes Explicit: reduced params, unreduced partials, one reduction."""
     leaves, treedef = jax.tree.flatten(params)
     info = [_leaf(layout, p) for p in leaves]
@@ -44,7 +44,7 @@ def run(loss_fn, has_aux, layout: Layout, params, args, convert: tuple[str, ...]
         p if leaf.fsdp else jax.reshard(p, P(*leaf.spec.partitions, reduced=frozenset(layout.data)))
         for p, leaf in zip(leaves, info, strict=True)
     ]
-    loss = _rewrite.Probed(loss_fn, treedef, fsdp, layout, convert, has_aux, trace)
+    loss = _rewrite.Probed(loss_fn, treedef, fsdp, layout, has_aux, trace)
     split = _split.Split.of(layout, args, n_state)
     loss.prepare(leaves, args if layout.k == 1 else split.first_avals())
     entry = loss.entry(cast)

@@ -1,21 +1,28 @@
-"""The interpreter: a loss's jaxpr re-evaluated equation by equation, with one rule per class of primitive.
+"""The interpreter: a loss's jaxpr re-evaluated equation by equation, one rule per class of primitive.
 
-``RULES`` maps a primitive to its rule; every other equation is bound as traced, with three class rules around it:
-an equation JAX refuses on a converted Auto mesh gets GSPMD's decision (``_auto``); an equation with a ``reduced``
-input that JAX has no rule for, or whose transpose takes no per-copy cotangent, runs forward on plain values with
-its VJP per copy (``_local``); a contraction in a custom rule's backward pass that reaches only parameters'
-cotangents stays ``unreduced`` (``_custom``). The rules by class:
+Each equation's class is looked up in ``_table`` and its rule in :data:`RULES`. A parameter's copy is a value typed
+``reduced`` over the row axes (each device holds the copy its rows use); its gradient comes back ``unreduced``, the
+per-device partial. The rules by class:
 
+* array primitives (:meth:`Interpreter.array`): without a copy among the operands, as traced (on a converted Auto
+  mesh, GSPMD's decision where Explicit types ask for one: ``_auto``). With one: views, broadcasts and sums as
+  traced (JAX's types carry a copy through them); a contraction with the rows as traced (JAX's rule: the rows' sum
+  is each device's partial); an elementwise equation with the rows with each shard's copy along them
+  (``_local.by_rows``); anything else forward on plain values with its VJP per copy (``_local.local``, refused
+  where it mixes the rows: ``_rows``). A copy meeting rows split over more than the data axes is ``reduced`` over
+  those axes too (:meth:`Interpreter.widened`);
 * gathers: ``reshard`` of a value derived from a parameter sharded over the data axes (FSDP) returns a ``reduced``
-  copy through a probe (``_plan`` says where; ``_probe``); ``reshard`` of a ``reduced`` value keeps it
-  ``reduced``, and makes it ``reduced`` over a row axis it is gathered off;
-* sharding hints: ``sharding_constraint`` and casts to the Auto mesh, on a converted mesh, lose the converted axes;
+  copy through a probe (``_plan`` says where; :func:`_probe`); ``reshard`` of a copy keeps it a copy, and makes it
+  ``reduced`` over a row axis it is gathered off; sharding hints on a converted mesh lose the converted axes;
 * calls and control flow: ``jit`` is inlined; ``scan``, ``while``, ``cond`` (its branches agreeing on ``reduced``
   outputs) and ``remat`` are re-made around re-evaluated bodies; ``shard_map`` manual over the data axes takes a
-  parameter as one copy per device, over other axes alone it is refused; ``pvary`` of a copy already varying is
-  the identity;
-* custom rules: ``custom_jvp``/``custom_vjp`` calls re-evaluated; on a parameter, per copy (``_custom``);
-* linear maps of ``unreduced`` values: equations of the parameters alone keep their copies apart (``_local``).
+  copy as one block per device, over other axes alone it is refused; ``pvary`` of a copy already varying is the
+  identity;
+* custom rules: ``custom_jvp``/``custom_vjp`` calls re-evaluated; on a copy, its backward pass per copy (``_custom``).
+
+An equation of a primitive the table does not know is bound as traced while no copy flows through it; with one,
+it is refused with our error naming it and the nearest class (``_table.unknown``). The traversal is
+``_compat.walk``, under each equation's name stack: the ops keep the user's ``jax.named_scope``\\ s.
 """
 
 from __future__ import annotations
@@ -27,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
 from optax_adascale.gspmd import _auto, _copies, _custom, _layout, _local, _plan
 from optax_adascale.gspmd._layout import Layout
+from optax_adascale.gspmd._table import ARRAY, Kind, kind_of, unknown
 
 # --------------------------------------------------------------------------- the probe
 
@@ -59,36 +66,24 @@ def _probe(layout: Layout, value: Any, slot: Any) -> Any:
 class Interpreter:
     """Evaluate a jaxpr equation by equation with the rules of this module (see the module docstring)."""
 
-    def __init__(self, layout: Layout, convert: frozenset[str], probes: dict[int, Any], partial=frozenset()):
-        self.layout, self.convert, self.probes = layout, convert, probes
+    def __init__(self, layout: Layout, probes: dict[int, Any], partial=frozenset()):
+        self.layout, self.probes = layout, probes
+        self.convert = layout.convert
         self.data = frozenset(layout.data)
         self.rows = layout.rows
         self.partial = partial  # ids of contractions left unreduced (a custom rule's backward pass, _custom)
 
-    def derived(self, partial: frozenset[int]) -> Interpreter:
-        """This interpreter with these contractions left ``unreduced`` (``_custom``)."""
-        return Interpreter(self.layout, self.convert, self.probes, partial)
-
     # ------------------------------------------------------------------ the loop
 
     def eval(self, jaxpr, consts, args, lineage: dict[Any, frozenset] | None = None):
-        literal = _compat.literal_type()
-        env: dict[Any, Any] = {}
+        """``jaxpr`` on ``args``; ``lineage``: the FSDP leaves each input derives from alone (``_plan``)."""
         lin: dict[Any, frozenset] = dict(lineage or {})
         gathered: dict[Any, Any] = {}
 
-        def read(v):
-            return self.constant(v.val) if isinstance(v, literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = self.constant(x)
-        for v, x in zip(jaxpr.invars, args, strict=True):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            ins_lin = [frozenset() if isinstance(v, literal) else lin.get(v, frozenset()) for v in eqn.invars]
-            name = eqn.primitive.name
-            if not (name in _plan.LOOPS or name in _plan.CALLS or _plan.is_remat(name)):
+        def rule(eqn, invals):
+            ins_lin = [frozenset() if _compat.is_literal(v) else lin.get(v, frozenset()) for v in eqn.invars]
+            kind = kind_of(eqn.primitive.name)
+            if kind not in _plan.CARRIES_LINEAGE:
                 axes_of = lambda _, i, xs=invals: _layout.axes_of(xs[i])  # noqa: E731 - the values' own types
                 for i in _plan.gathered_inputs(eqn, [bool(x) for x in ins_lin], self.data, axes_of):
                     v = eqn.invars[i]
@@ -96,18 +91,18 @@ class Interpreter:
                         gathered[v] = self.gather(invals[i], ins_lin[i])
                     invals[i] = gathered[v]
                     ins_lin[i] = frozenset()
-            ans = self.equation(eqn, invals, ins_lin)
-            outs = ans if eqn.primitive.multiple_results else [ans]
-            pure = _plan.pure_leaves(eqn, ins_lin, literal)
-            for v, x in zip(eqn.outvars, outs, strict=True):
-                env[v] = x
-                if pure:
-                    lin[v] = pure
-        return [read(v) for v in jaxpr.outvars]
+            ans = self.equation(kind, eqn, invals, ins_lin)
+            outs = list(ans) if eqn.primitive.multiple_results else [ans]
+            pure = _plan.pure_leaves(eqn, ins_lin)
+            if pure:
+                lin.update((v, pure) for v in eqn.outvars)
+            return outs
+
+        return _compat.walk(jaxpr, [self.constant(c) for c in consts], args, rule, literal=self.constant, named=True)
 
     def constant(self, x: Any) -> Any:
         """A literal or captured constant; traced on the Auto mesh, its type names that mesh: re-typed here."""
-        if self.convert and not isinstance(x, jax.core.Tracer) and hasattr(x, "dtype"):
+        if self.convert and not _compat.is_tracer(x) and hasattr(x, "dtype"):
             if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a key closed over: rebuilt from its data
                 with jax.ensure_compile_time_eval():
                     data = np.asarray(jax.random.key_data(x))
@@ -121,47 +116,48 @@ class Interpreter:
         return jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh().update_axis_types(auto))
 
     def bind(self, eqn, invals, params=None):
-        params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-        if self.convert:  # traced on the Auto mesh: bind under the Explicit context, without its Auto shardings
-            params = {k: (None if _auto.auto_sharding(v) else v) for k, v in params.items()}
-            return eqn.primitive.bind(*invals, **params)
-        with eqn.ctx.manager:
-            return eqn.primitive.bind(*invals, **params)
+        return _layout.bind(self.layout, eqn, invals, params)
+
+    def evaluate(self, jaxpr, consts, args, partial=frozenset()):
+        """``jaxpr`` re-evaluated with these rules, these contractions left ``unreduced`` (``_custom``)."""
+        return Interpreter(self.layout, self.probes, partial).eval(jaxpr, consts, args)
 
     # ------------------------------------------------------------------ the rules
 
-    def equation(self, eqn, invals, lineage):
-        name = eqn.primitive.name
+    def equation(self, kind: Kind | None, eqn, invals, lineage):
         if id(eqn) in self.partial:
-            return _custom.contract_partial(self, eqn, invals)
-        if self.partial:
-            eqn_params = _custom.keep_unreduced(eqn, invals)
-            if eqn_params is not None:
-                return self.bind(eqn, invals, eqn_params)
-        rule = RULES.get("remat" if _plan.is_remat(name) else name)
-        if rule is not None:
-            return rule(self, eqn, invals, lineage)
-        reduced_in = any(_layout.reduced_axes(x) for x in invals if isinstance(x, jax.Array) or hasattr(x, "aval"))
-        if name in _local.CUSTOM:
-            return self.custom(eqn, invals, reduced_in)
-        if reduced_in and self.layout.extra:
+            return _custom.contract_partial(self.layout, eqn, invals)
+        if self.partial and (params := _custom.keep_unreduced(eqn, invals)) is not None:
+            return self.bind(eqn, invals, params)
+        if kind is None:
+            if any(_layout.reduced_axes(x) for x in invals):
+                raise ValueError(unknown(eqn.primitive.name, bool(_compat.sub_jaxprs(eqn))))
+            return self.bind(eqn, invals)
+        return RULES[kind](self, eqn, invals, lineage)
+
+    def array(self, eqn, invals, lineage=None):
+        """An equation of an array primitive (the module docstring)."""
+        kind = kind_of(eqn.primitive.name)
+        copies = [_layout.is_array(x) and bool(_layout.reduced_axes(x)) for x in invals]
+        if not any(copies):
+            return _auto.decide(self.layout, kind, eqn, invals) if self.convert else self.bind(eqn, invals)
+        rows = any(self.data & _layout.axes_of(x) for x, c in zip(invals, copies, strict=True) if not c)
+        if rows and self.layout.extra:
             invals = self.widened(invals)
-        try:
-            out = self.bind(eqn, invals)
-        except Exception:  # noqa: BLE001 - JAX has no reduced rule for this equation: the rule its types imply
-            if self.convert:
-                decided = _auto.decide(self, eqn, invals, reduced_in)
-                if decided is not None:
-                    return decided[0]
-            if not reduced_in:
-                raise
-            by_rows = _local.elementwise_by_row_shard(self, eqn, invals)
-            if by_rows is not None:
-                return by_rows
-            return _local.local(self, eqn, invals)
-        if reduced_in and not _local.keeps_copies(self, eqn, invals, out):
-            return _local.local(self, eqn, invals)  # the per-copy rule JAX's types imply, where JAX has none
-        return out
+        if kind in (Kind.VIEW, Kind.BROADCAST, Kind.SUM) and not rows:
+            return self.bind(eqn, invals)
+        if kind is Kind.CONTRACTION and rows:
+            return self.bind(eqn, invals, _auto.contraction_params(eqn, invals) if self.convert else None)
+        if kind is Kind.ELEMENTWISE and rows:
+            out = _local.by_rows(self.layout, eqn, invals)
+            if out is not None:
+                return out
+        if self.convert and rows and _auto.looks_up(eqn, invals):  # GSPMD's embedding lookup: the rows' partials
+            return _auto.gather_indexed(self.layout, eqn, invals)
+        return _local.local(self.layout, kind, eqn, invals)
+
+    def opaque(self, eqn, invals, lineage=None):
+        return self.bind(eqn, invals)
 
     def widened(self, invals):
         """A parameter's copy meeting rows split over more than the data axes (a sequence axis): ``reduced`` over
@@ -177,26 +173,22 @@ class Interpreter:
             out.append(jax.reshard(x, P(*_layout.partitions(x), reduced=red | wider)) if wider else x)
         return out
 
-    def contraction_sharding(self, eqn, invals) -> NamedSharding:
-        return _auto.contraction_sharding(eqn, invals)
-
     def constraint(self, eqn, invals, lineage=None):
         (x,) = invals
         if not self.convert:
             return self.bind(eqn, invals)
-        return _auto.hint(self, x, getattr(eqn.params["sharding"], "spec", None))
+        return _auto.hint(self.layout, x, getattr(_compat.target_sharding(eqn), "spec", None))
 
     def call(self, eqn, invals, lineage):
-        jaxpr = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        inner = getattr(jaxpr, "jaxpr", jaxpr)
-        consts = getattr(jaxpr, "consts", ())
-        return self.eval(inner, consts, invals, _inner_lineage(inner, lineage))
+        jaxpr, consts = _compat.body(eqn)
+        return self.eval(jaxpr, consts, invals, _inner_lineage(jaxpr, lineage))
 
-    def custom(self, eqn, invals, reduced_in: bool):
+    def custom(self, eqn, invals, lineage=None):
         """A ``custom_jvp``/``custom_vjp`` call, its traced jaxprs (the function, its JVP rule or forward pass)
         re-evaluated with these rules. On ``reduced`` values alone (a rule of the parameters): their copies kept
         apart as through any equation (``_local``). On a parameter and the rows: the rule on plain values, its
         backward pass per copy (``_custom``)."""
+        reduced_in = any(_layout.reduced_axes(x) for x in invals if _layout.is_array(x))
         if not reduced_in and not self.convert:
             return self.bind(eqn, invals)
         params = _compat.custom_call_bind_params(
@@ -209,13 +201,13 @@ class Interpreter:
         if not reduced_in:
             return bound(*invals)
         if not any(self.data & _layout.axes_of(x) for x in invals if not _layout.reduced_axes(x)):
-            return _local.local(self, eqn, invals)  # of the parameters alone: its VJP per copy, as any equation's
+            return _local.local(self.layout, Kind.CUSTOM, eqn, invals)  # of the parameters alone: per copy
         if not self.convert and eqn.primitive.name != "custom_jvp_call":
             for x, v in zip(invals, eqn.invars, strict=True):
                 traced = getattr(getattr(getattr(v, "aval", None), "sharding", None), "spec", None)
                 if traced is not None and hasattr(x, "shape") and _layout.partitions(x) != _pad(traced, jnp.ndim(x)):
                     raise ValueError(_local.custom_refusal())  # its backward rule is typed for the FSDP shards
-        return _custom.per_copy(self, bound, eqn, invals)
+        return _custom.per_copy(self.layout, self.evaluate, bound, eqn, invals)
 
     def gather(self, x: Any, lineage: frozenset) -> Any:
         """An FSDP leaf's value gathered off the data axes as a ``reduced`` copy, through its probe."""
@@ -228,10 +220,10 @@ class Interpreter:
 
     def reshard(self, eqn, invals, lineage):
         (x,) = invals
-        target = eqn.params["dst_sharding"]
+        target = _compat.target_sharding(eqn)
         if _layout.auto_axes(target.mesh):  # a cast to Auto axes (how .at[].get(out_sharding=) gathers): as traced
             # traced on the Auto mesh and run on the Explicit one, the cast is the hint a constraint is
-            return _auto.hint(self, x, target.spec) if self.convert else self.bind(eqn, invals)
+            return _auto.hint(self.layout, x, target.spec) if self.convert else self.bind(eqn, invals)
         reduced = _layout.reduced_axes(x)
         if not reduced:
             return self.bind(eqn, invals)
@@ -242,29 +234,28 @@ class Interpreter:
         return jax.reshard(x, P(*parts, reduced=(reduced | gathered) - used, unreduced=frozenset(spec.unreduced)))
 
     def scan(self, eqn, invals, lineage):
-        params = eqn.params
-        nc, ncarry = _compat.scan_counts(params)
-        body = params["jaxpr"]
+        nc, ncarry, length, reverse, unroll = _compat.scan_params(eqn)
+        body, body_consts = _compat.body(eqn)
         consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-        inner_lin = {v: lineage[i] for i, v in enumerate(body.jaxpr.invars) if lineage[i]}
+        inner_lin = _inner_lineage(body, lineage)
 
         def step(carry, x):
-            out = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], inner_lin)
+            out = self.eval(body, body_consts, [*consts, *carry, *x], inner_lin)
             return out[:ncarry], out[ncarry:]
 
-        carry, ys = lax.scan(
-            step, list(init), list(xs), length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
-        )
+        carry, ys = lax.scan(step, list(init), list(xs), length=length, reverse=reverse, unroll=unroll)
         return [*carry, *ys]
 
     def while_loop(self, eqn, invals, lineage):
-        params = eqn.params
-        cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        cond, body = params["cond_jaxpr"], params["body_jaxpr"]
-        cond_consts, body_consts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+        """``while``: JAX cannot transpose one, so no gradient reaches a parameter through it; its cond and body
+        re-evaluated on plain values (a copy as the same numbers on every device: a carry keeps its type through
+        the loop), its operands the cond's consts, the body's, then the carry."""
+        cn, bn, (cond, cond_consts), (body, body_consts) = _compat.while_params(eqn)
+        invals = [_layout.plain(x) if _layout.is_array(x) else x for x in invals]
+        cond_args, body_args, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
         return lax.while_loop(
-            lambda c: self.eval(cond.jaxpr, cond.consts, [*cond_consts, *c])[0],
-            lambda c: self.eval(body.jaxpr, body.consts, [*body_consts, *c]),
+            lambda c: self.eval(cond, cond_consts, [*cond_args, *c])[0],
+            lambda c: self.eval(body, body_consts, [*body_args, *c]),
             list(init),
         )
 
@@ -273,8 +264,8 @@ class Interpreter:
         where another gives a plain one (a constant): every branch's output is cast to the ``reduced`` type, so
         that the branches agree (the constant's cotangent is dropped with it)."""
         branches = [
-            lambda *ops, b=b: self.eval(b.jaxpr, b.consts, list(ops), _inner_lineage(b.jaxpr, lineage[1:]))
-            for b in eqn.params["branches"]
+            lambda *ops, b=b, c=c: self.eval(b, c, list(ops), _inner_lineage(b, lineage[1:]))
+            for b, c in _compat.cond_branches(eqn)
         ]
         types = [jax.eval_shape(branch, *invals[1:]) for branch in branches]
         reduced = [frozenset().union(*(_layout.reduced_axes(t[i]) for t in types)) for i in range(len(types[0]))]
@@ -291,28 +282,27 @@ class Interpreter:
         return lax.switch(invals[0], branches, *invals[1:])
 
     def remat(self, eqn, invals, lineage):
-        params = eqn.params
-        jaxpr = params["jaxpr"]
-        inner = getattr(jaxpr, "jaxpr", jaxpr)
-        consts = getattr(jaxpr, "consts", ())
-        body = lambda *args: self.eval(inner, consts, list(args), _inner_lineage(inner, lineage))  # noqa: E731
-        return jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))(*invals)
+        jaxpr, consts = _compat.body(eqn)
+        prevent_cse, policy = _compat.remat_options(eqn)
+        body = lambda *args: self.eval(jaxpr, consts, list(args), _inner_lineage(jaxpr, lineage))  # noqa: E731
+        return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*invals)
 
     def shard_map(self, eqn, invals, lineage=None):
         """A ``shard_map`` in the loss taking ``reduced`` inputs (parameters). Over manual axes the rows are split
         over, each device's block is its own copy: the input goes in as the stacked copies, a block per device,
-        whose cotangents come back as the per-device partials (``_copies.copies``). Over other manual axes (a
-        model axis) it goes in ``reduced``, its in spec saying so."""
+        whose cotangents come back as the per-device partials (``_copies.copies``). Over other manual axes alone (a
+        model axis), of the parameters alone it runs per copy (``_local``); with the rows it is refused."""
         if not any(_layout.reduced_axes(x) for x in invals):
             return self.bind(eqn, invals)
-        params = eqn.params
-        manual = _compat.shard_map_manual_axes(params)
-        if not manual & self.rows:  # over model or stage axes: JAX takes reduced in specs only when fully manual
-            return _local.local(self, eqn, invals)
+        sm = _compat.shard_map_params(eqn)
+        if not sm.manual_axes & self.rows:  # JAX takes reduced in specs only when fully manual
+            if any(self.data & _layout.axes_of(x) for x in invals if not _layout.reduced_axes(x)):
+                raise ValueError(_manual_over_other_axes())
+            return _local.local(self.layout, Kind.SHARD_MAP, eqn, invals)
         in_specs, args, stacked = [], [], []
-        for x, spec in zip(invals, params["in_specs"], strict=True):
+        for x, spec in zip(invals, sm.in_specs, strict=True):
             red = _layout.reduced_axes(x)
-            per_device = red & manual & self.rows
+            per_device = red & sm.manual_axes & self.rows
             if per_device:
                 copies, entry = _copies.copies(self.layout, x, per_device)
                 args.append(copies)
@@ -321,20 +311,18 @@ class Interpreter:
                 args.append(x)
                 in_specs.append(P(*spec, reduced=red) if red else spec)
             stacked.append(bool(per_device))
-        body = params["jaxpr"]
-        inner = getattr(body, "jaxpr", body)
-        consts = getattr(body, "consts", ())
+        body, consts = _compat.body(eqn)
 
         def fn(*xs):
-            return tuple(self.eval(inner, consts, [x[0] if s else x for x, s in zip(xs, stacked, strict=True)]))
+            return tuple(self.eval(body, consts, [x[0] if s else x for x, s in zip(xs, stacked, strict=True)]))
 
         out = jax.shard_map(
             fn,
-            mesh=params["mesh"],
+            mesh=sm.mesh,
             in_specs=tuple(in_specs),
-            out_specs=tuple(params["out_specs"]),
-            axis_names=manual,
-            check_vma=params.get("check_vma", params.get("check_rep", True)),
+            out_specs=sm.out_specs,
+            axis_names=sm.manual_axes,
+            check_vma=sm.check_vma,
         )(*args)
         return list(out)
 
@@ -342,24 +330,27 @@ class Interpreter:
         """``pvary`` (invariant → varying) on a value already varying over those axes (a parameter's copy, one per
         device, in a ``shard_map`` over the row axes): the identity over them."""
         (x,) = invals
-        axes = tuple(a for a in eqn.params["axes"] if a not in _compat.varying_axes(x))
-        if len(axes) == len(eqn.params["axes"]):
+        cast = _compat.cast_axes(eqn)
+        axes = tuple(a for a in cast if a not in _compat.varying_axes(x))
+        if len(axes) == len(cast):
             return self.bind(eqn, invals)
-        return self.bind(eqn, invals, dict(eqn.params, axes=axes)) if axes else x
+        return self.bind(eqn, invals, _compat.with_params(eqn, axes=axes)) if axes else x
 
 
-# The rule table: primitive name -> Interpreter method (every other equation is bound as traced, with the
-# implied local rule where JAX has no reduced rule for it). "remat" stands for every remat/checkpoint primitive.
-RULES: dict[str, Any] = {
-    **{name: Interpreter.reshard for name in _plan.GATHERS},
-    "sharding_constraint": Interpreter.constraint,
-    **{name: Interpreter.call for name in ("jit", "pjit", "closed_call", "core_call")},
-    "scan": Interpreter.scan,
-    "while": Interpreter.while_loop,
-    "cond": Interpreter.cond,
-    "remat": Interpreter.remat,
-    "shard_map": Interpreter.shard_map,
-    "pvary": Interpreter.pvary,
+# The rule of each class of primitive (``_table.Kind``).
+RULES: dict[Kind, Any] = {
+    **{kind: Interpreter.array for kind in ARRAY},
+    Kind.OPAQUE: Interpreter.opaque,
+    Kind.GATHER: Interpreter.reshard,
+    Kind.HINT: Interpreter.constraint,
+    Kind.CALL: Interpreter.call,
+    Kind.REMAT: Interpreter.remat,
+    Kind.SCAN: Interpreter.scan,
+    Kind.WHILE: Interpreter.while_loop,
+    Kind.COND: Interpreter.cond,
+    Kind.SHARD_MAP: Interpreter.shard_map,
+    Kind.CUSTOM: Interpreter.custom,
+    Kind.CAST: Interpreter.pvary,
 }
 
 
@@ -377,3 +368,15 @@ def _as_reduced_over(x: Any, axes: frozenset[str]) -> Any:
 
 def _inner_lineage(inner, lineage) -> dict[Any, frozenset]:
     return {v: lineage[i] for i, v in enumerate(inner.invars) if i < len(lineage) and lineage[i]}
+
+
+def _manual_over_other_axes() -> str:
+    return (
+        "value_and_grad(data_axes=...): loss_fn passes a parameter into a jax.shard_map that is manual over other "
+        "axes than the data axes (a pipeline stage or model axis) while the batch's rows stay sharded over the "
+        "data axes inside it. JAX takes a parameter's per-copy (reduced) type into a shard_map only when it is "
+        "manual over every axis, and the shard_map's body is traced for the whole batch, so it cannot run on each "
+        "data shard's rows either. Make the shard_map manual over the data axes too (add them to axis_names and "
+        "shard the batch's rows over them in in_specs/out_specs): each device then gets its own copy of the "
+        "parameter and the statistics are exact."
+    )

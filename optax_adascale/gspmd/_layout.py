@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from optax_adascale import _compat
 from optax_adascale.core._norms import STAT_DTYPE
 
 
@@ -96,6 +97,7 @@ class Layout:
         ``data_axes`` names ``data`` alone). A parameter's copy is ``reduced`` over every axis its rows are split
         over (:attr:`rows`), so its partials are ``unreduced`` over them; the samples are the data shards, whose
         partials sum those over the extra axes (:func:`data_partial`).
+      convert: the mesh axes made Explicit for a loss traced with them Auto (``_drop_in._converted``).
     """
 
     axis_names: tuple[str, ...]
@@ -104,6 +106,7 @@ class Layout:
     k: int
     mesh: Any = None
     extra: tuple[str, ...] = ()
+    convert: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, mesh: Any, names: tuple[str, ...], k: int, given: Any = None) -> Layout:
@@ -249,6 +252,25 @@ def check_specs_agree(specs: list[P], params: Any) -> None:
 
 def auto_axes(mesh: Any) -> tuple[str, ...]:
     return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Explicit)
+
+
+def auto_sharding(v: Any) -> bool:
+    """A sharding parameter naming a mesh with Auto axes (a loss traced on such a mesh): dropped when re-bound."""
+    mesh = getattr(v, "mesh", None)
+    return isinstance(v, jax.sharding.NamedSharding) and mesh is not None and bool(auto_axes(mesh))
+
+
+def bind(layout: Layout, eqn: Any, invals: list[Any], params: dict[str, Any] | None = None) -> Any:
+    """``eqn`` bound to ``invals`` as traced (``_compat.bind``); traced on the Auto mesh (:attr:`Layout.convert`),
+    under the Explicit context instead of its own and without the shardings that name the Auto mesh."""
+    if layout.convert:
+        return _compat.bind(eqn, invals, params, context=False, drop=auto_sharding)
+    return _compat.bind(eqn, invals, params)
+
+
+def is_array(x: Any) -> bool:
+    """A value with a shape and a sharded type (a traced array), not a Python constant or an opaque leaf."""
+    return isinstance(x, jax.Array) or hasattr(x, "aval")
 
 
 # --------------------------------------------------------------------------- per-device statistics

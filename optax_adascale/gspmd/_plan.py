@@ -16,14 +16,15 @@ from typing import Any
 
 from optax_adascale import _compat
 from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd._table import Kind, kind_of
 
-GATHERS = ("reshard",)
-LOOPS = ("scan", "while")
-CALLS = ("jit", "pjit", "closed_call", "core_call", "cond")
-
-
-def is_remat(name: str) -> bool:
-    return name.startswith("remat") or name == "checkpoint"
+# Classes whose bodies the plan and the interpreter walk with the lineage (the interpreter gathers nothing at the
+# equation itself). A while loop is not among them: JAX cannot transpose one, so no gradient reaches a parameter
+# through it, and its body uses the parameter as the user's step does (sharded), gathering nothing.
+CARRIES_LINEAGE = frozenset({Kind.CALL, Kind.REMAT, Kind.SCAN, Kind.COND})
+# Equations of one parameter whose VJP hands the cotangent back unchanged but for layout or dtype: an FSDP leaf
+# passes through them before its gather. Any other use gathers it first, so that the probe sees ∂L/∂θ_i itself.
+_TRANSPARENT = frozenset({Kind.VIEW, Kind.HINT})
 
 
 def _var_axes(v: Any) -> frozenset[str]:
@@ -49,22 +50,15 @@ def gathered_inputs(eqn, pure: list[bool], data: frozenset[str], axes_of) -> lis
     """The inputs of ``eqn`` that are FSDP gathers: values derived from FSDP leaves alone, sharded over the data
     axes, met by something else (a mixing equation) or resharded off the data axes. ``axes_of(eqn, i)``: the
     mesh axes input ``i`` is sharded over."""
-    literal = _compat.literal_type()
-    real = [i for i, v in enumerate(eqn.invars) if not isinstance(v, literal)]
-    if eqn.primitive.name in GATHERS:
-        target = eqn.params["dst_sharding"].spec
+    kind = kind_of(eqn.primitive.name)
+    real = [i for i, v in enumerate(eqn.invars) if not _compat.is_literal(v)]
+    if kind is Kind.GATHER:
+        target = _compat.target_sharding(eqn).spec
         off = data & axes_of(eqn, 0) - frozenset(a for e in target.partitions for a in _layout.spec_axes(e))
         return [0] if pure[0] and off else []
-    if all(pure[i] for i in real) and eqn.primitive.name in _TRANSPARENT:
-        return []  # a view of the parameter (its cotangent the same numbers): evaluated as traced
+    if kind is Kind.WHILE or (all(pure[i] for i in real) and kind in _TRANSPARENT):
+        return []  # a view of the parameter (its cotangent the same numbers), or no gradient: evaluated as traced
     return [i for i in real if pure[i] and data & axes_of(eqn, i)]
-
-
-# Equations of one parameter whose VJP hands the cotangent back unchanged but for layout or dtype: an FSDP leaf
-# passes through them before its gather. Any other use gathers it first, so that the probe sees ∂L/∂θ_i itself.
-_TRANSPARENT = frozenset(
-    ("reshape", "transpose", "convert_element_type", "squeeze", "expand_dims", "copy", "copy_p", "sharding_constraint")
-)
 
 
 @dataclasses.dataclass
@@ -82,23 +76,12 @@ def walk(jaxpr, lineage: dict[Any, frozenset], data: frozenset[str], plan: Plan,
     """Walk the jaxpr with each variable's FSDP lineage (``lineage[var] = {(leaf, sliced)}``: derived from those
     leaves alone; ``sliced``: a per-iteration slice of a scanned stack) and record the gathers (``axes_of``: see
     :func:`typed_axes`)."""
-    literal = _compat.literal_type()
-    for eqn in jaxpr.eqns:
-        ins = [frozenset() if isinstance(v, literal) else lineage.get(v, frozenset()) for v in eqn.invars]
-        name = eqn.primitive.name
-        if name == "scan":
-            nc, ncarry = _compat.scan_counts(eqn.params)
-            body = eqn.params["jaxpr"].jaxpr
-            inner = {}
-            for i, v in enumerate(body.invars):
-                src = ins[i] if i < len(ins) else frozenset()
-                inner[v] = frozenset((leaf, True) for leaf, _ in src) if i >= nc + ncarry else src
-            walk(body, inner, data, plan, axes_of, loop=True)
-        elif name in LOOPS or name in CALLS or is_remat(name):
-            for sub in subjaxprs(eqn):
-                offset = 1 if name == "cond" else 0
-                inner = {v: ins[i + offset] for i, v in enumerate(sub.invars) if i + offset < len(ins)}
-                walk(sub, inner, data, plan, axes_of, loop=loop or name == "while")
+
+    def rule(eqn, ins):
+        kind = kind_of(eqn.primitive.name)
+        if kind in CARRIES_LINEAGE:
+            for sub, inner in _inner(eqn, kind, ins):
+                walk(sub, dict(zip(sub.invars, inner, strict=True)), data, plan, axes_of, loop or kind is Kind.SCAN)
         else:
             pure = [bool(lin) for lin in ins]
             for i in gathered_inputs(eqn, pure, data, axes_of):
@@ -108,32 +91,31 @@ def walk(jaxpr, lineage: dict[Any, frozenset], data: frozenset[str], plan: Plan,
                         plan.hoist.add(leaf)  # the same copy gathered on every iteration
                 ins[i] = frozenset()  # gathered: a plain value from here on, as the interpreter sees it
                 pure[i] = False
-            real = [i for i, v in enumerate(eqn.invars) if not isinstance(v, literal)]
-            if real and not all(pure[i] for i in real):  # a replicated FSDP-derived value meets the batch
-                for i in real:
+            real = [i for i, v in enumerate(eqn.invars) if not _compat.is_literal(v)]
+            if kind is not Kind.WHILE and real and not all(pure[i] for i in real):
+                for i in real:  # a replicated FSDP-derived value meets the batch
                     if pure[i] and not data & axes_of(eqn, i):
                         plan.hoist.update(leaf for leaf, _ in ins[i])
-        derived = pure_leaves(eqn, ins, literal)
-        for v in eqn.outvars:
-            if derived:
-                lineage[v] = derived
+        return [pure_leaves(eqn, ins)] * len(eqn.outvars)
+
+    args = [lineage.get(v, frozenset()) for v in jaxpr.invars]
+    _compat.walk(jaxpr, [frozenset()] * len(jaxpr.constvars), args, rule, literal=lambda _: frozenset())
 
 
-def pure_leaves(eqn, ins, literal) -> frozenset:
+def _inner(eqn, kind: Kind, ins: list[frozenset]) -> list[tuple[Any, list[frozenset]]]:
+    """Each body an equation of a class in :data:`CARRIES_LINEAGE` runs, with the lineage of its inputs: a scan's
+    slices of the stacked operands marked ``sliced``, a cond's branches without the index."""
+    if kind is Kind.SCAN:
+        n = sum(_compat.scan_params(eqn)[:2])
+        return [(_compat.body(eqn)[0], [*ins[:n], *(frozenset((leaf, True) for leaf, _ in x) for x in ins[n:])])]
+    if kind is Kind.COND:
+        return [(branch, ins[1:]) for branch, _ in _compat.cond_branches(eqn)]
+    return [(_compat.body(eqn)[0], ins)]
+
+
+def pure_leaves(eqn, ins) -> frozenset:
     """The FSDP leaves an equation's outputs derive from, if they derive from parameters alone (else none)."""
-    real = [lin for v, lin in zip(eqn.invars, ins, strict=True) if not isinstance(v, literal)]
+    real = [lin for v, lin in zip(eqn.invars, ins, strict=True) if not _compat.is_literal(v)]
     if not real or not all(real):
         return frozenset()
     return frozenset().union(*real)
-
-
-def subjaxprs(eqn) -> list[Any]:
-    out = []
-    for key in sorted(eqn.params):
-        value = eqn.params[key]
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns"):
-                out.append(v)
-            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-                out.append(v.jaxpr)
-    return out

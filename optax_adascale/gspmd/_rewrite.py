@@ -66,15 +66,15 @@ def _shared(layout: Layout, value: Any) -> Any:
 class Probed:
     """The loss re-evaluated from its jaxpr with the rules above.
 
-    ``fsdp``: the indices of the leaves sharded over the data axes; ``convert``: the axes made Explicit
-    for the loss (their ``with_sharding_constraint``\\ s are dropped); ``trace``: ``(leaves, batch_leaves,
+    ``fsdp``: the indices of the leaves sharded over the data axes (``layout.convert``: the axes made Explicit
+    for the loss, whose ``with_sharding_constraint``\\ s are dropped); ``trace``: ``(leaves, batch_leaves,
     batch_tree) -> (closed jaxpr, out_tree)`` of the flattened loss, or ``None`` to trace it here with the
     leaves' own types. :meth:`prepare` traces (once) and decides, per FSDP leaf, probe or hoist.
     """
 
-    def __init__(self, loss_fn, treedef, fsdp, layout: Layout, convert, has_aux, trace=None):
+    def __init__(self, loss_fn, treedef, fsdp, layout: Layout, has_aux, trace=None):
         self.loss_fn, self.treedef, self.fsdp = loss_fn, treedef, tuple(fsdp)
-        self.layout, self.convert, self.has_aux = layout, frozenset(convert), has_aux
+        self.layout, self.has_aux = layout, has_aux
         self.trace = trace
         self.closed: Any = None
         self.out_tree: Any = None
@@ -103,9 +103,8 @@ class Probed:
         jaxpr = self.closed.jaxpr
         data = frozenset(self.layout.data)
         lineage = {jaxpr.invars[i]: frozenset({(i, False)}) for i in self.fsdp}
-        _plan.walk(jaxpr, lineage, data, plan, _plan.typed_axes(data, typed=not self.convert))
-        literal = _compat.literal_type()
-        if jaxpr.outvars and not isinstance(jaxpr.outvars[0], literal):  # the loss itself from FSDP leaves alone
+        _plan.walk(jaxpr, lineage, data, plan, _plan.typed_axes(data, typed=not self.layout.convert))
+        if jaxpr.outvars and not _compat.is_literal(jaxpr.outvars[0]):  # the loss itself from FSDP leaves alone
             plan.hoist.update(i for i in self.fsdp if jaxpr.outvars[0] in jaxpr.invars)
         self.probed = plan.probed(self.fsdp)
         self.hoisted = tuple(i for i in self.fsdp if i not in self.probed)
@@ -129,7 +128,7 @@ class Probed:
         }
 
         def loss(leaves, slots):
-            interp = Interpreter(self.layout, self.convert, probes=slots)
+            interp = Interpreter(self.layout, probes=slots)
             lineage = {closed.jaxpr.invars[i]: frozenset({i}) for i in self.probed}
             out = interp.eval(closed.jaxpr, closed.consts, [*leaves, *batch_leaves], lineage)
             value, aux = self.out_tree.unflatten(out)

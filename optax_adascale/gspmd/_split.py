@@ -39,17 +39,15 @@ def row_free_outputs(jaxpr, rows: list[int]) -> list[bool]:
     """Which outputs of ``jaxpr`` are state rather than counts: they depend on what the function closes over or on
     an argument that is not the batch, and not on its inputs ``rows`` (a forward walk; an equation with a
     dependent input makes all its outputs dependent). A constant (a count from shapes) is neither."""
-    literal = _compat.literal_type()
-    row_vars = {jaxpr.invars[i] for i in rows}
-    other = set(jaxpr.constvars) | {v for i, v in enumerate(jaxpr.invars) if i not in rows}
-    on_rows, on_state = set(row_vars), set(other)
-    for eqn in jaxpr.eqns:
-        ins = [v for v in eqn.invars if not isinstance(v, literal)]
-        if any(v in on_rows for v in ins):
-            on_rows.update(eqn.outvars)
-        if any(v in on_state for v in ins):
-            on_state.update(eqn.outvars)
-    return [not isinstance(v, literal) and v in on_state and v not in on_rows for v in jaxpr.outvars]
+    # each value's facts: (depends on the rows, depends on what is not the batch)
+    facts = [(i in rows, i not in rows) for i in range(len(jaxpr.invars))]
+
+    def rule(eqn, ins):
+        fact = (any(r for r, _ in ins), any(s for _, s in ins))
+        return [fact] * len(eqn.outvars)
+
+    outs = _compat.walk(jaxpr, [(False, True)] * len(jaxpr.constvars), facts, rule, literal=lambda _: (False, False))
+    return [state and not on_rows for on_rows, state in outs]
 
 
 @dataclasses.dataclass

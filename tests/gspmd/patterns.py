@@ -513,3 +513,34 @@ def conv() -> Pattern:
     return Pattern(
         params, {"replicated": {"kernel": P(), "w2": P()}}, (x, y), apply, lambda out, p, x, y: _xent(out, y)
     )
+
+
+def _unit(v):
+    return v / jnp.sqrt(jnp.sum(v * v) + 1e-12)
+
+
+def spectral_norm() -> Pattern:
+    """Spectral normalisation (SN-GAN): the first weight divided by its largest singular value σ, estimated by power
+    iteration in a ``lax.while_loop`` whose cond closes over a bound computed from the batch and whose body closes over
+    the weight (its operands: the cond's consts, the body's, the carry), the iterates held fixed (``stop_gradient``),
+    then ``σ = uᵀ W v`` differentiated. JAX cannot transpose a while loop: no gradient goes through it."""
+    rng = _rng(11)
+    params = _mlp_params(rng)
+
+    def apply(p, x, y):
+        w = p["w1"]
+        limit = 3 + jnp.sum(y < 0)  # three iterations, a bound the loop's cond closes over
+
+        def body(carry):
+            u, i = carry
+            v = _unit(mm("dh,d->h", w, u, P()))
+            return _unit(mm("dh,h->d", w, v, P())), i + 1
+
+        u, _ = jax.lax.while_loop(lambda c: c[1] < limit, body, (jnp.ones(D) / np.sqrt(D), 0))
+        u = jax.lax.stop_gradient(u)
+        v = jax.lax.stop_gradient(_unit(mm("dh,d->h", w, u, P())))
+        sigma = mm("d,d->", u, mm("dh,h->d", w, v, P()), P())
+        h = jnp.tanh(mm("bd,dh->bh", x, w, P("data", col_of(w))) / sigma)
+        return mm("bh,hc->bc", h, p["w2"], P("data", None))
+
+    return Pattern(params, LAYOUTS_MLP, _classify(11), apply, lambda out, p, x, y: _xent(out, y))

@@ -99,3 +99,8 @@ def test_custom_rules_on_parameters(kind, layout):
 
 def test_a_convolution_runs_its_vjp_on_each_devices_rows():
     check(patterns.conv(), "replicated")
+
+
+@pytest.mark.parametrize("layout", ["replicated", "TP", "FSDP"])
+def test_a_while_loop_closing_over_a_parameter_and_a_bound(layout):
+    check(patterns.spectral_norm(), layout)
