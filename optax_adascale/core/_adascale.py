@@ -53,6 +53,9 @@ class AdaScaleState(NamedTuple):
       negative_lr_steps: int32 ``[]``, of those, the updates skipped because the
         schedule's learning rate was negative (beyond float rounding: a value
         within ``1e-6`` of the schedule's largest counts as 0).
+      altered_grads_steps: int32 ``[]``, of those, the accumulated updates skipped because the gradients
+        ``update`` was given were not those :func:`value_and_grad`'s statistics measured (clipped or scaled
+        before ``update``; with accumulation ``b`` is taken from them): :func:`done` raises on it.
       skip_streak: int32 ``[]``, updates skipped since the last applied one.
       floored_steps: int32 ``[]``, applied updates with ``n > 1`` whose variance
         estimate was zero up to rounding (at the ``eps`` floor): replicas that
@@ -84,6 +87,7 @@ class AdaScaleState(NamedTuple):
     scale: Array
     skipped_steps: Array
     negative_lr_steps: Array
+    altered_grads_steps: Array
     skip_streak: Array
     floored_steps: Array
     micro_step: Array
@@ -125,6 +129,7 @@ def _init(
         scale=scalar(),
         skipped_steps=scalar(jnp.int32),
         negative_lr_steps=scalar(jnp.int32),
+        altered_grads_steps=scalar(jnp.int32),
         skip_streak=scalar(jnp.int32),
         floored_steps=scalar(jnp.int32),
         micro_step=scalar(jnp.int32),
@@ -186,7 +191,18 @@ def _update(
     if ramp is None and k == 1:
         return step(grads, local_sq, state)
     _axes.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
+    altered = None
+    if samples.altered is not None:  # b would be taken from changed gradients: the window is skipped (a = −inf)
+        altered = samples.altered | jnp.any(jnp.isneginf(state.acc_sq_norm))
+        local_sq = jnp.where(samples.altered, -jnp.inf, local_sq)
     new_updates, new_state = _accumulate.accumulate(k, grads, local_sq, state, step)
+    if altered is not None:
+        counted = altered & (new_state.skipped_steps != state.skipped_steps)
+        new_state = new_state._replace(
+            altered_grads_steps=jnp.where(
+                counted, optax.safe_increment(new_state.altered_grads_steps), new_state.altered_grads_steps
+            )
+        )
     if ramp is not None:  # every call: the loader's position, and the samples per call (for the readers)
         new_state = new_state._replace(
             ramp=new_state.ramp._replace(

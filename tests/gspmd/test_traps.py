@@ -120,6 +120,48 @@ def test_grads_changed_between_the_drop_in_and_update_leave_the_gain_as_unchange
             assert float(norm) < 0.1  # the clip (or scale) was active
 
 
+@pytest.mark.parametrize(
+    "accumulation", [2, optax_adascale.BatchRamp(1, 4, patience=1)], ids=["accumulation_steps=2", "BatchRamp(1, 4)"]
+)
+def test_clipping_before_an_accumulating_update_is_refused_and_inside_inner_trains(accumulation):
+    """Issue 40 item 1. With accumulation AdaScale takes b from the mean of the gradients it is given, so the
+    statistics' ‖ḡ‖² cannot cover a clip before update: on main the gain stuck at S, grad_sqr at 0 and τ ran
+    ahead. The changed gradients are refused: every window is skipped (parameters and τ untouched), counted in
+    skipped_altered_grads_steps, and done() raises naming the fix; the same clip inside inner trains."""
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+    clip = optax.clip_by_global_norm(1e-3)
+    before = optax.chain(clip, optax_adascale.adascale_sgd(0.1, accumulation_steps=accumulation))
+    inside = optax_adascale.adascale(optax.chain(clip, optax.identity()), 0.1, accumulation_steps=accumulation)
+
+    def run(tx, calls=8):
+        @jax.jit
+        def step(params, opt_state, x, y):
+            _, grads, stats = grad_fn(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+            return optax.apply_updates(params, updates), opt_state
+
+        with jax.set_mesh(mesh):
+            params, opt_state = init_params(), tx.init(init_params())
+            for seed in range(calls):
+                x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch(seed))
+                params, opt_state = step(params, opt_state, x, y)
+        return params, optax_adascale.metrics(opt_state), opt_state
+
+    params, m, state = run(before)
+    updates = 4 if accumulation == 2 else 8  # the ramp's k stays at its lowest rung, 1: nothing is ever applied
+    jax.tree.map(np.testing.assert_array_equal, params, init_params())
+    assert float(m["scale_invariant_steps"]) == 0.0 and int(m["skipped_steps"]) == updates
+    assert int(m["skipped_altered_grads_steps"]) == updates and int(m["skipped_nonfinite_steps"]) == 0
+    with pytest.raises(RuntimeError, match=r"clip_by_global_norm.*Clip inside AdaScale.*optax.chain\(optax.clip"):
+        optax_adascale.done(state, 100)
+
+    params, m, state = run(inside)
+    assert int(m["skipped_steps"]) == 0 and float(m["scale_invariant_steps"]) > 0
+    assert not optax_adascale.done(state, 1e6)
+    assert not jax.tree.all(jax.tree.map(np.array_equal, params, init_params()))
+
+
 # --------------------------------------------------------------------------- a silent S = 1
 
 AUTO = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
