@@ -169,15 +169,20 @@ def _update(
     strategy.check(axes, state, params)
     local_sq = groups.sums(axes.model.mask(samples.sq_leaves))
 
+    forgot = collection.axis_name is None and microbatch_stats is None  # a jit step that forgot the statistics?
     if ramp is None:
         n = axes.replicas * k * samples.count
         S = _scale(collection, n, axes.replicas)
-        if n == 1 and collection.axis_name is None and microbatch_stats is None:
+        if n == 1 and forgot:
             _collect.warn_if_partitioned(grads)
+        elif k > 1 and forgot:
+            _collect.warn_if_partitioned(grads, calls=f"k = {k} calls: accumulation_steps={k}")
     else:  # k_t is traced: one program for every rung; S_t = n_t
         _check_ramp_state(state)
         per_microbatch = axes.replicas * samples.count
-        _ramp.check_samples(ramp, per_microbatch)
+        _ramp.check_samples(ramp, per_microbatch, _collect.partitioned_axes(grads) if forgot else {})
+        if forgot:
+            _collect.warn_if_partitioned(grads, calls="k_t calls: the BatchRamp's")
         k = state.ramp.microbatches
         n = S = k * per_microbatch
     shape = _step.Shape(groups=groups, axes=axes, n=n, S=S)
@@ -267,7 +272,8 @@ def _scale(collection: _options.Options, n: int, replicas: int) -> Any:
     if n == 1 and collection.axis_name is not None and replicas == 1:
         _checks.warn(
             f"axis_name={collection.axis_name!r} has a single replica here, so AdaScale sees n = 1 gradient "
-            "sample per update and is the identity (gain 1, plain SGD on lr(t)). To train at a larger "
+            "sample per update and is the identity (gain 1: your inner optimizer's own step on lr(t)). To train at "
+            "a larger "
             "scale on one device, split the batch into micro-batches (optax_adascale.value_and_grad(loss, "
             "num_microbatches=k) + update(..., microbatch_stats=...)) or set accumulation_steps."
         )

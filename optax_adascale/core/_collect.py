@@ -115,9 +115,11 @@ def partitioned_axes(tree: Any) -> dict[str, int]:
     return found
 
 
-def warn_if_partitioned(grads: Any) -> None:
-    """Warn where ``update`` sees ``n = 1`` sample (no ``axis_name``, no ``microbatch_stats``) in a step over several
-    devices: a jit step over the global batch that forgot ``microbatch_stats=stats`` trains at gain 1."""
+def warn_if_partitioned(grads: Any, calls: Any = None) -> None:
+    """Warn where ``update`` gets no ``microbatch_stats`` and has no ``axis_name`` in a step over several devices: a
+    jit step over the global batch that forgot ``microbatch_stats=stats`` sees one sample per call. ``calls``:
+    ``None`` (one call per update: ``n = 1``, gain 1), or the calls an update accumulates (``k``, or the ramp's
+    description): ``n = k``, not one sample per data shard per call."""
     axes = partitioned_axes(grads)
     if not axes:
         return
@@ -125,14 +127,28 @@ def warn_if_partitioned(grads: Any) -> None:
     for size in axes.values():
         devices *= size
     data = next(iter(axes))
+    if calls is None:
+        what = (
+            "AdaScale sees n = 1 gradient sample per update and is the identity (gain 1, S = 1: your inner "
+            "optimizer's own step on lr(t), as without AdaScale)"
+        )
+    else:
+        what = (
+            f"AdaScale sees one gradient sample per call (the whole global batch's), so an update ({calls}) "
+            f"has n = S = k samples, not one per data shard and call ({devices} × k): the gain is capped at k and "
+            "the schedule's clock runs at S = k"
+        )
     _checks.warn(
         f"update got no microbatch_stats and the optimizer has no axis_name, but this step is partitioned over "
-        f"{devices} devices (mesh axes {axes}): AdaScale sees n = 1 gradient sample per update and is the identity "
-        "(gain 1, S = 1: plain SGD on lr(t)). In a jax.jit step over the global batch take the statistics from the "
-        f"drop-in and pass them: loss, grads, stats = optax_adascale.value_and_grad(loss_fn, data_axes={data!r})"
+        f"{devices} devices (mesh axes {axes}): {what}. In a jax.jit step over the global batch take the statistics "
+        f"from the drop-in and pass them: loss, grads, stats = optax_adascale.value_and_grad(loss_fn, data_axes={data!r})"
         "(params, *batch); tx.update(grads, opt_state, params, microbatch_stats=stats). If no mesh axis is data "
-        "parallel (tensor parallelism alone), take samples as micro-batches: value_and_grad(loss_fn, "
-        "num_microbatches=k)."
+        "parallel (tensor parallelism alone), "
+        + (
+            "take samples as micro-batches: value_and_grad(loss_fn, num_microbatches=k)."
+            if calls is None
+            else "each call's gradient is the sample you meant, and this warning can be filtered."
+        )
     )
 
 

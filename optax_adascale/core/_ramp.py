@@ -198,15 +198,32 @@ def init_state(ramp: BatchRamp) -> RampState:
     )
 
 
-def check_samples(ramp: BatchRamp, per_microbatch: int) -> None:
-    """Raise where the ramp's lowest rung gives ``n = 1`` sample per update (no variance to estimate)."""
-    if ramp.min_microbatches * per_microbatch < 2:
+def check_samples(ramp: BatchRamp, per_microbatch: int, forgot_stats_on: dict[str, int] | None = None) -> None:
+    """Raise where the ramp's lowest rung gives ``n = 1`` sample per update (no variance to estimate).
+
+    ``forgot_stats_on``: the mesh axes a jit step with no ``microbatch_stats`` and no ``axis_name`` is partitioned
+    over: the statistics it forgot come first in the message."""
+    if ramp.min_microbatches * per_microbatch >= 2:
+        return
+    n = ramp.min_microbatches * per_microbatch
+    if forgot_stats_on:
+        devices = int(np.prod(list(forgot_stats_on.values())))
+        data = next(iter(forgot_stats_on))
         raise ValueError(
-            f"BatchRamp(min_microbatches={ramp.min_microbatches}) gives n = {ramp.min_microbatches * per_microbatch}"
-            " gradient sample per update at its lowest rung, and AdaScale cannot estimate the gradient variance "
-            "from one sample. Set min_microbatches >= 2, or average several samples per call: replicas on "
-            "axis_name, or microbatch_stats from value_and_grad(..., num_microbatches=2)."
+            f"update got no microbatch_stats, but this step is partitioned over {devices} devices (mesh axes "
+            f"{forgot_stats_on}): pass the statistics of the drop-in, loss, grads, stats = "
+            f"optax_adascale.value_and_grad(loss_fn, data_axes={data!r})(params, *batch); tx.update(grads, "
+            "opt_state, params, microbatch_stats=stats). Each data shard's gradient is then a sample, and "
+            f"BatchRamp(min_microbatches={ramp.min_microbatches}) has one per data shard and call. Without them "
+            f"AdaScale sees one sample per call (the global batch's): n = {n} at the lowest rung, from which no "
+            "variance can be estimated (a higher min_microbatches would run at S = k, not one sample per shard)."
         )
+    raise ValueError(
+        f"BatchRamp(min_microbatches={ramp.min_microbatches}) gives n = {n}"
+        " gradient sample per update at its lowest rung, and AdaScale cannot estimate the gradient variance "
+        "from one sample. Set min_microbatches >= 2, or average several samples per call: replicas on "
+        "axis_name, or microbatch_stats from value_and_grad(..., num_microbatches=2)."
+    )
 
 
 def _rung_at_most(ladder: Array, x: Array) -> Array:

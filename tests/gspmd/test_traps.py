@@ -205,10 +205,30 @@ def test_a_single_device_step_does_not_warn():
     _no_warning(lambda: _forgetful_step(tx)(init_params(), tx.init(init_params()), *batch()))
 
 
-def test_a_global_batch_step_with_accumulation_does_not_warn():
-    tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=2)  # each call's global-batch gradient is a sample
-    with jax.set_mesh(AUTO):
-        _no_warning(lambda: _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO)))
+@pytest.mark.parametrize("factory", [optax_adascale.adascale_sgd, optax_adascale.adascale_adamw])
+def test_the_identity_warning_names_the_inner_optimizer_not_plain_sgd(factory):
+    """Issue 40 item 2: the warning said "plain SGD on lr(t)" for adascale_adamw too."""
+    tx = factory(0.1)
+    with jax.set_mesh(AUTO), pytest.warns(UserWarning, match=r"identity") as record:
+        _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO))
+    assert all("plain SGD" not in str(w.message) for w in record)
+
+
+@pytest.mark.parametrize("accumulation", [2, optax_adascale.BatchRamp(2, 8)], ids=["k=2", "BatchRamp(2, 8)"])
+def test_a_global_batch_step_with_accumulation_and_no_microbatch_stats_warns_that_s_is_k(accumulation):
+    """Issue 40 item 2: with accumulation each call's global-batch gradient is one sample, so the run trained at
+    S = k (2) instead of one sample per data shard (8 × 2 = 16), with no word."""
+    tx = optax_adascale.adascale_adamw(0.1, accumulation_steps=accumulation)
+    with jax.set_mesh(AUTO), pytest.warns(UserWarning, match=r"no microbatch_stats.*8 devices.*n = S = k.*8 × k"):
+        _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO))
+
+
+def test_a_ramp_from_one_microbatch_without_microbatch_stats_names_the_statistics_first():
+    """Issue 40 item 2: BatchRamp(1, 8) without microbatch_stats in a jit step over 8 devices said "Set
+    min_microbatches >= 2" first; following it trains at S = k. The missing statistics come first now."""
+    tx = optax_adascale.adascale_adamw(0.1, accumulation_steps=optax_adascale.BatchRamp(1, 8))
+    with jax.set_mesh(AUTO), pytest.raises(ValueError, match=r"^update got no microbatch_stats.*8 devices.*microbatch_stats=stats"):
+        _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO))
 
 
 @pytest.mark.parametrize("front_door", ["vmap", "pmap", "shard_map"])
