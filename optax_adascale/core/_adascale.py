@@ -179,11 +179,15 @@ def _update(
             _collect.warn_if_partitioned(grads, calls=f"k = {k} calls: accumulation_steps={k}")
     else:  # k_t is traced: one program for every rung; S_t = n_t
         _check_ramp_state(state)
+        # A window starts at a rung of this ramp's ladder: k restored from another ramp's state moves onto it here
+        # (one in progress finishes at the k its calls were fed for, then moves in _decide).
+        k = state.ramp.microbatches
+        k = jnp.where(state.micro_step == 0, _ramp.on_ladder(ramp, k), k).astype(jnp.int32)
+        state = state._replace(ramp=state.ramp._replace(microbatches=k))
         per_microbatch = axes.replicas * samples.count
         _ramp.check_samples(ramp, per_microbatch, _collect.partitioned_axes(grads) if forgot else {})
         if forgot:
             _collect.warn_if_partitioned(grads, calls="k_t calls: the BatchRamp's")
-        k = state.ramp.microbatches
         n = S = k * per_microbatch
     shape = _step.Shape(groups=groups, axes=axes, n=n, S=S)
 

@@ -232,10 +232,16 @@ def _rung_at_most(ladder: Array, x: Array) -> Array:
     return ladder[jnp.maximum(below - 1, 0)]
 
 
+def on_ladder(ramp: BatchRamp, k: Array) -> Array:
+    """``k`` moved onto this ramp's ladder: the largest rung ``≤ k`` (the lowest rung below it). The identity for a
+    ``k`` this ramp chose; it moves a ``k`` restored from another ramp's state (a checkpoint, ``transfer_state``)."""
+    return _rung_at_most(jnp.asarray(ramp.ladder, jnp.int32), jnp.asarray(k).astype(jnp.float32)).astype(jnp.int32)
+
+
 def after_update(ramp: BatchRamp, state: RampState, inputs: RampInputs, applied: Array) -> RampState:
     """The controller: ``k`` for the next update, from the statistics after an applied update (replicated)."""
     ladder = jnp.asarray(ramp.ladder, jnp.int32)
-    k = state.microbatches
+    k = on_ladder(ramp, state.microbatches)  # an update at a k from another ladder (restored) lands on this one
     wanted = ramp.target(inputs)
     up = _rung_at_most(ladder, wanted)
     h = jnp.float32(ramp.hysteresis)
