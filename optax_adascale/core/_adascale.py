@@ -199,7 +199,7 @@ def _update(
 
     if ramp is None and k == 1:
         return step(grads, local_sq, state)
-    _axes.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
+    _axes.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name, grads)
     altered = None
     if samples.altered is not None:  # b would be taken from changed gradients: the window is skipped (a = −inf)
         altered = samples.altered | jnp.any(jnp.isneginf(state.acc_sq_norm))

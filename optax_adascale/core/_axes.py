@@ -84,17 +84,28 @@ def check_grads_follow_params(grads: Any, params: Any, axis_name: AxisName | Non
         )
 
 
-def check_buffers_per_replica(acc_sq_norm: Array, axis_name: AxisName | None) -> None:
-    """Raise if accumulation buffers under shard_map are shared by the replicas (no ``replicate_buffers``)."""
+def check_buffers_per_replica(acc_sq_norm: Array, axis_name: AxisName | None, grads: Any = None) -> None:
+    """Raise if accumulation buffers are shared by the replicas (no ``replicate_buffers``): under shard_map (the
+    buffers do not vary over the axis), and under ``vmap`` (the gradients are batched over the axis, the buffers
+    are not: JAX's own error would be "vmap has mapped output ... but out_axes is None")."""
+    batched = lambda x: {getattr(d, "name", None) for d in _compat.batch_trace_axes(x)}  # noqa: E731
+    mapped = set().union(*(batched(g) for g in jax.tree.leaves(grads))) if grads is not None else set()
     for name in axis_names(axis_name):
         if vma_checked(name) and name not in varying_axes(acc_sq_norm):
-            raise ValueError(
-                f"accumulation_steps > 1 under jax.shard_map needs per-replica accumulation buffers, but "
-                f"opt_state's buffers do not vary over {name!r}. Give each replica its own: "
-                "opt_state = optax_adascale.replicate_buffers(tx.init(params), num_replicas), and pass "
-                f"optax_adascale.state_partition_specs(opt_state, {axis_name!r}) as the state's in_specs "
-                "and out_specs."
+            where = f"jax.shard_map needs per-replica accumulation buffers, but opt_state's buffers do not vary over {name!r}"
+            specs = f"pass optax_adascale.state_partition_specs(opt_state, {axis_name!r}) as the state's in_specs and out_specs"
+        elif name in mapped and name not in batched(acc_sq_norm):
+            where = (
+                f"jax.vmap needs per-replica accumulation buffers, but opt_state's buffers are not mapped over {name!r} "
+                "(in_axes=None)"
             )
+            specs = "pass optax_adascale.state_axes(opt_state) as the state's in_axes and out_axes"
+        else:
+            continue
+        raise ValueError(
+            f"accumulation_steps > 1 (or a BatchRamp) under {where}. Give each replica its own: "
+            f"opt_state = optax_adascale.replicate_buffers(tx.init(params), num_replicas), and {specs}."
+        )
 
 
 def check_vmap_axis_not_explicit(grads: Any, axis_name: AxisName | None) -> None:
