@@ -162,6 +162,21 @@ def test_clipping_before_an_accumulating_update_is_refused_and_inside_inner_trai
     assert not jax.tree.all(jax.tree.map(np.array_equal, params, init_params()))
 
 
+@pytest.mark.parametrize("placement", ["Auto, placed", "Auto, numpy", "Explicit"])
+def test_a_batch_that_does_not_split_names_the_batch_and_the_sizes(placement):
+    """Issue 40 item 7: 36 rows on 4 data shards × 2 micro-batches. On an Auto mesh the error said no argument is
+    sharded over data and asked to name the axes; it names the batch's arguments and the sizes now."""
+    kind = jax.sharding.AxisType.Explicit if placement == "Explicit" else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,), devices=jax.devices()[:4])
+    x, y = batch()
+    x, y = x[:36], y[:36]
+    if placement != "Auto, numpy":
+        x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    fn = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=2))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"4 × 2 = 8 .*x has 36 rows, y has 36 rows.*multiple of 8"):
+        fn(init_params(), x, y)
+
+
 # --------------------------------------------------------------------------- a silent S = 1
 
 AUTO = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
