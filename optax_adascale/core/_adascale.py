@@ -302,7 +302,11 @@ def transform(
     def init_fn(params):
         return _init(options, reduction, inner, params)
 
+    rows_seen: set[tuple[int, ...]] = set()  # the drop-in's batch sizes under a ramp, for check_rows' warning only
+
     def update_fn(updates, state, params=None, *, microbatch_stats=None, **extra_args):
+        if options.ramp is not None and isinstance(microbatch_stats, MicrobatchStats):
+            _ramp.check_rows(rows_seen, microbatch_stats.rows)
         return _update(options, update, reduction, updates, state, params, microbatch_stats, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

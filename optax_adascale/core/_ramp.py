@@ -226,6 +226,24 @@ def check_samples(ramp: BatchRamp, per_microbatch: int, forgot_stats_on: dict[st
     )
 
 
+def check_rows(seen: set[tuple[int, ...]], rows: tuple[int, ...] | None) -> None:
+    """Warn (when ``update`` is traced) where a ramp's call brings a micro-batch of another size than before: the
+    ramp's micro-batch is fixed, and a loader that feeds the whole update's ``k_t`` micro-batches every call
+    recompiles at every rung, reads ``k_t`` times the data, and counts each call as one micro-batch. ``seen``: the
+    sizes this transformation was traced with (a diagnostic only; the controller reads nothing from it)."""
+    if rows is None:
+        return
+    if seen and rows not in seen:
+        _checks.warn(
+            f"update under a BatchRamp got a batch whose arrays have {list(rows)} rows, after "
+            f"{list(sorted(seen)[0])}: the ramp's micro-batch is fixed and each call is one micro-batch (the update takes k_t calls), so a batch that changes size "
+            "recompiles the step, and one that holds the whole update (k_t micro-batches at once) also reads k_t "
+            "times the data. Feed one micro-batch per call, the one at position "
+            "optax_adascale.batch_plan(opt_state)['microbatches_seen'] of your stream (not the update count)."
+        )
+    seen.add(rows)
+
+
 def _rung_at_most(ladder: Array, x: Array) -> Array:
     """The largest rung ``≤ x`` (the lowest rung if none)."""
     below = jnp.sum((ladder.astype(jnp.float32) <= x).astype(jnp.int32))

@@ -49,12 +49,17 @@ class MicrobatchStats:
         the gradients ``update`` is given, and these values tell whether they are the ones measured
         (:data:`ALTERED_RTOL`): changed gradients skip the update (``metrics()``'s
         ``skipped_altered_grads_steps``; :func:`done` raises naming the fix).
+      rows: static; ``None``, or the first dimensions of the arrays the drop-in (global batch) was called with
+        besides the differentiated ones (the batch's rows among them). Under a :class:`BatchRamp`, whose
+        micro-batch is fixed, ``update`` warns when a call brings other sizes (a loader feeding the whole
+        update's batch every call).
     """
 
     sq_norms: Any
     num_microbatches: int = dataclasses.field(default=1, metadata=dict(static=True))
     fsdp: bool = dataclasses.field(default=False, metadata=dict(static=True))
     mean_sq_norms: Any = None
+    rows: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)

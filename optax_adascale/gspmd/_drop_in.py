@@ -197,7 +197,20 @@ def value_and_grad(
             _check_rows_split(layout, arrays, arg_names, sharded)
             return _global.run(inner, has_aux, layout, params, inner_args, unroll=unroll, n_state=n_state)
 
-    return fn
+    def with_rows(*args):
+        value, grads, stats = fn(*args)
+        return value, grads, _with_rows(stats, call.bind(loss_fn, args)[3])
+
+    return with_rows
+
+
+def _with_rows(stats: Any, arrays: list[Any]) -> Any:
+    """``stats`` (one, or a tuple for a tuple ``argnums``) with ``rows``: the batch arguments' first dimensions
+    (static), which a :class:`BatchRamp`'s ``update`` holds fixed."""
+    rows = tuple(int(jnp.shape(x)[0]) for x in arrays if jnp.ndim(x))
+    if isinstance(stats, MicrobatchStats):
+        return dataclasses.replace(stats, rows=rows)
+    return tuple(dataclasses.replace(s, rows=rows) for s in stats)
 
 
 def _per_replica(loss_fn, call, k, has_aux, mesh, unroll):
