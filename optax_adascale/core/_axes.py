@@ -92,12 +92,18 @@ def check_buffers_per_replica(acc_sq_norm: Array, axis_name: AxisName | None, gr
     mapped = set().union(*(batched(g) for g in jax.tree.leaves(grads))) if grads is not None else set()
     for name in axis_names(axis_name):
         if vma_checked(name) and name not in varying_axes(acc_sq_norm):
-            where = f"jax.shard_map needs per-replica accumulation buffers, but opt_state's buffers do not vary over {name!r}"
-            specs = f"pass optax_adascale.state_partition_specs(opt_state, {axis_name!r}) as the state's in_specs and out_specs"
+            where = (
+                "jax.shard_map needs per-replica accumulation buffers, but opt_state's buffers do not vary over "
+                f"{name!r}"
+            )
+            specs = (
+                f"pass optax_adascale.state_partition_specs(opt_state, {axis_name!r}) as the state's in_specs and "
+                "out_specs"
+            )
         elif name in mapped and name not in batched(acc_sq_norm):
             where = (
-                f"jax.vmap needs per-replica accumulation buffers, but opt_state's buffers are not mapped over {name!r} "
-                "(in_axes=None)"
+                "jax.vmap needs per-replica accumulation buffers, but opt_state's buffers are not mapped over "
+                f"{name!r} (in_axes=None)"
             )
             specs = "pass optax_adascale.state_axes(opt_state) as the state's in_axes and out_axes"
         else:

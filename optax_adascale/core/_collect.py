@@ -141,9 +141,10 @@ def warn_if_partitioned(grads: Any, calls: Any = None) -> None:
     _checks.warn(
         f"update got no microbatch_stats and the optimizer has no axis_name, but this step is partitioned over "
         f"{devices} devices (mesh axes {axes}): {what}. In a jax.jit step over the global batch take the statistics "
-        f"from the drop-in and pass them: loss, grads, stats = optax_adascale.value_and_grad(loss_fn, data_axes={data!r})"
-        "(params, *batch); tx.update(grads, opt_state, params, microbatch_stats=stats). If no mesh axis is data "
-        "parallel (tensor parallelism alone), "
+        "from the drop-in and pass them: loss, grads, stats = "
+        f"optax_adascale.value_and_grad(loss_fn, data_axes={data!r})(params, *batch); "
+        "tx.update(grads, opt_state, params, microbatch_stats=stats). If no mesh axis is data parallel (tensor "
+        "parallelism alone), "
         + (
             "take samples as micro-batches: value_and_grad(loss_fn, num_microbatches=k)."
             if calls is None

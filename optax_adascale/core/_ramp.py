@@ -236,10 +236,11 @@ def check_rows(seen: set[tuple[int, ...]], rows: tuple[int, ...] | None) -> None
     if seen and rows not in seen:
         _checks.warn(
             f"update under a BatchRamp got a batch whose arrays have {list(rows)} rows, after "
-            f"{list(sorted(seen)[0])}: the ramp's micro-batch is fixed and each call is one micro-batch (the update takes k_t calls), so a batch that changes size "
-            "recompiles the step, and one that holds the whole update (k_t micro-batches at once) also reads k_t "
-            "times the data. Feed one micro-batch per call, the one at position "
-            "optax_adascale.batch_plan(opt_state)['microbatches_seen'] of your stream (not the update count)."
+            f"{list(sorted(seen)[0])}: the ramp's micro-batch is fixed and each call is one micro-batch (the "
+            "update takes k_t calls), so a batch that changes size recompiles the step, and one that holds the "
+            "whole update (k_t micro-batches at once) also reads k_t times the data. Feed one micro-batch per "
+            "call, the one at position optax_adascale.batch_plan(opt_state)['microbatches_seen'] of your "
+            "stream (not the update count)."
         )
     seen.add(rows)
 

@@ -85,7 +85,7 @@ def test_a_run_restored_mid_ramp_and_mid_window_is_the_uninterrupted_run_bit_for
     assert max(ks) > 1
 
 
-# --------------------------------------------------------------------------- restored into another ramp (issue 40 item 3)
+# --------------------------------------------------------------------------- into another ramp (issue 40 item 3)
 
 
 def greedy(max_microbatches):

@@ -173,7 +173,10 @@ def test_a_batch_that_does_not_split_names_the_batch_and_the_sizes(placement):
     if placement != "Auto, numpy":
         x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
     fn = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=2))
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"4 × 2 = 8 .*x has 36 rows, y has 36 rows.*multiple of 8"):
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match=r"4 × 2 = 8 .*x has 36 rows, y has 36 rows.*multiple of 8"),
+    ):
         fn(init_params(), x, y)
 
 
@@ -242,7 +245,10 @@ def test_a_ramp_from_one_microbatch_without_microbatch_stats_names_the_statistic
     """Issue 40 item 2: BatchRamp(1, 8) without microbatch_stats in a jit step over 8 devices said "Set
     min_microbatches >= 2" first; following it trains at S = k. The missing statistics come first now."""
     tx = optax_adascale.adascale_adamw(0.1, accumulation_steps=optax_adascale.BatchRamp(1, 8))
-    with jax.set_mesh(AUTO), pytest.raises(ValueError, match=r"^update got no microbatch_stats.*8 devices.*microbatch_stats=stats"):
+    with (
+        jax.set_mesh(AUTO),
+        pytest.raises(ValueError, match=r"^update got no microbatch_stats.*8 devices.*microbatch_stats=stats"),
+    ):
         _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO))
 
 
