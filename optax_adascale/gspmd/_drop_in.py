@@ -194,7 +194,8 @@ def value_and_grad(
                 for i, x in enumerate(arrays)
                 if jnp.ndim(x) and set(layout.data) <= set(_layout.spec_axes(_layout.partitions(x)[0]))
             ]
-            _check_rows_split(layout, arrays, arg_names, sharded)
+            if layout.k > 1:  # (k = 1: the shardings themselves need the rows to divide the shards)
+                _check_rows_split(layout, arrays, arg_names, sharded)
             return _global.run(inner, has_aux, layout, params, inner_args, unroll=unroll, n_state=n_state)
 
     def with_rows(*args):
@@ -205,12 +206,10 @@ def value_and_grad(
 
 
 def _with_rows(stats: Any, arrays: list[Any]) -> Any:
-    """``stats`` (one, or a tuple for a tuple ``argnums``) with ``rows``: the batch arguments' first dimensions
-    (static), which a :class:`BatchRamp`'s ``update`` holds fixed."""
+    """``stats`` with ``rows``: the first dimensions of the arguments' arrays (static), which a :class:`BatchRamp`'s
+    ``update`` holds fixed."""
     rows = tuple(int(jnp.shape(x)[0]) for x in arrays if jnp.ndim(x))
-    if isinstance(stats, MicrobatchStats):
-        return dataclasses.replace(stats, rows=rows)
-    return tuple(dataclasses.replace(s, rows=rows) for s in stats)
+    return dataclasses.replace(stats, rows=rows) if isinstance(stats, MicrobatchStats) else stats
 
 
 def _per_replica(loss_fn, call, k, has_aux, mesh, unroll):
@@ -365,8 +364,8 @@ def _check_rows_split(
     rows = jnp.shape(arrays[bad[0]])[0]
     per_shard = f"{rows / layout.shards:g}"
     raise ValueError(
-        f"value_and_grad(data_axes={layout.data_spec!r}, num_microbatches={layout.k}): the batch does not split into "
-        f"data shards × micro-batches = {layout.shards} × {layout.k} = {layout.n} equal blocks of rows: {which} "
+        f"value_and_grad(data_axes={layout.data_spec!r}, num_microbatches={layout.k}): {which}: the batch does not "
+        f"split into data shards × micro-batches = {layout.shards} × {layout.k} = {layout.n} equal blocks of rows "
         f"({per_shard} rows per data shard, {rows / layout.n:g} per micro-batch). Feed a batch whose rows are a "
         f"multiple of {layout.n} (e.g. {max(layout.n, rows // layout.n * layout.n)} or "
         f"{(rows // layout.n + 1) * layout.n}), or a num_microbatches that divides the rows of a data shard."

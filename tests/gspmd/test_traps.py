@@ -175,7 +175,7 @@ def test_a_batch_that_does_not_split_names_the_batch_and_the_sizes(placement):
     fn = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=2))
     with (
         jax.set_mesh(mesh),
-        pytest.raises(ValueError, match=r"4 × 2 = 8 .*x has 36 rows, y has 36 rows.*multiple of 8"),
+        pytest.raises(ValueError, match=r"x has 36 rows, y has 36 rows.*4 × 2 = 8 .*multiple of 8"),
     ):
         fn(init_params(), x, y)
 
