@@ -23,7 +23,7 @@ from optax_adascale.tools import _noise
 # Fields renamed since 0.1.0 checkpoints: old name -> new name.
 _RENAMED = {"learning_rate": "effective_lr", "group_gain": "group_gains"}
 # Fields added since: a checkpoint without them restores them as zeros.
-_ADDED = ("base_lr", "sqr_weight", "skip_streak", "floored_steps", "negative_lr_steps")
+_ADDED = ("base_lr", "sqr_weight", "skip_streak", "floored_steps", "negative_lr_steps", "altered_grads_steps")
 # Fields a restored or NNX-split state always has (containers that may be empty can be dropped).
 _REQUIRED = ("count", "gain", "tau_whole", "tau_frac", "grad_sqr", "grad_var", "scale", "skipped_steps", "micro_step")
 
@@ -169,7 +169,10 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     (``r_t·lr(⌊τ_t⌋)``, the step actually taken), ``base_learning_rate``
     (``lr(⌊τ_t⌋)``, the schedule's value), ``scale`` (``S``), ``skipped_steps``
     (and why: ``skipped_nonfinite_steps`` for non-finite gradients, statistics or
-    learning rates, ``skipped_negative_lr_steps`` for a negative learning rate),
+    learning rates, ``skipped_negative_lr_steps`` for a negative learning rate,
+    ``skipped_altered_grads_steps`` for accumulated updates whose gradients were
+    changed between :func:`value_and_grad` and ``update``: clipped or scaled before
+    AdaScale, which :func:`done` refuses),
     ``floored_steps`` (applied updates whose variance estimate was zero up to
     rounding: if it grows with ``count``, the replicas see identical
     gradients — typically gradients averaged *before* ``update``; :func:`done`
@@ -218,8 +221,11 @@ def metrics(opt_state: Any) -> dict[str, Any]:
         "base_learning_rate": _value(s.base_lr),
         "scale": _value(s.scale),
         "skipped_steps": _value(s.skipped_steps),
-        "skipped_nonfinite_steps": _value(s.skipped_steps) - _value(s.negative_lr_steps),
+        "skipped_nonfinite_steps": _value(s.skipped_steps)
+        - _value(s.negative_lr_steps)
+        - _value(s.altered_grads_steps),
         "skipped_negative_lr_steps": _value(s.negative_lr_steps),
+        "skipped_altered_grads_steps": _value(s.altered_grads_steps),
         "floored_steps": _value(s.floored_steps),
     }
     out["noise_scale"], out["noise_scale_measured"] = _noise_scale(s)
@@ -308,7 +314,10 @@ def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> b
       ``True`` once ``τ ≥ total_steps``.
 
     Raises:
-      RuntimeError: the last ``max_skip_streak`` updates were all skipped.
+      RuntimeError: the last ``max_skip_streak`` updates were all skipped; or an
+        accumulated update was skipped because ``update`` was given gradients other
+        than those :func:`value_and_grad` measured (``skipped_altered_grads_steps``:
+        a transformation chained before AdaScale changed them).
 
     Examples:
       >>> import jax.numpy as jnp, optax_adascale
@@ -317,6 +326,7 @@ def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> b
       False
     """
     s = get_adascale_state(opt_state)
+    _raise_if_altered(s)
     streak = int(np.max(np.asarray(jax.device_get(_value(s.skip_streak)))))
     if streak >= max_skip_streak:
         raise RuntimeError(
@@ -328,6 +338,26 @@ def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> b
     _warn_if_mostly_floored(s)
     tau = np.asarray(jax.device_get(scale_invariant_steps(s)))
     return bool(np.min(tau) >= total_steps)
+
+
+def _raise_if_altered(s: AdaScaleState) -> None:
+    """Gradients changed between ``value_and_grad`` and an accumulating ``update`` (found inside jit, said here)."""
+    altered = int(np.max(np.asarray(jax.device_get(_value(s.altered_grads_steps)))))
+    if altered:
+        raise RuntimeError(ALTERED_GRADS.format(altered=altered))
+
+
+ALTERED_GRADS = (
+    "{altered} update(s) were skipped because update was given other gradients than the ones "
+    "optax_adascale.value_and_grad measured (their squared norm differs from microbatch_stats' by more than 1 %): "
+    "a transformation chained before AdaScale changed them, e.g. optax.chain(optax.clip_by_global_norm(c), tx). "
+    "Without accumulation the statistics keep the gain right whatever is done to the gradients, but with "
+    "accumulation_steps > 1 or a BatchRamp AdaScale accumulates the gradients it is given, so the statistics would "
+    "describe other gradients (the gain sticks at S, grad_sqr at 0, and τ runs ahead). Clip inside AdaScale, on the "
+    "accumulated mean: optax_adascale.adascale(optax.chain(optax.clip_by_global_norm(c), inner), learning_rate, "
+    "accumulation_steps=...), e.g. inner = optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd)) for "
+    "AdamW, optax.trace(0.9) for SGD with momentum."
+)
 
 
 # done() warns once FLOORED_RUN or more updates were applied and at least half of them had a zero variance estimate.

@@ -13,6 +13,9 @@ Every process builds the same global batches from a fixed seed and hands each de
 its rows with ``jax.make_array_from_callback``, so device ``i`` of the mesh sees the
 same data in every layout; only the all-reduce order can differ between layouts.
 
+A batch ramp on the same mesh (:func:`train_ramp`, keys ``ramp_…``): every call feeds the micro-batch the state's
+``batch_plan(...)["microbatches_seen"]`` names, each process making its own devices' rows.
+
 Besides the data-parallel runs on a 1-D mesh (keys ``k<steps>_…``), on 8 devices every
 process also trains with tensor parallelism (``TP_RUNS``, keys ``<layout>_k<steps>_…``):
 a ``(data=4, model=2)`` mesh over the 8 global devices with the MLP's weights split over
@@ -183,6 +186,86 @@ def train_all_tp() -> dict[str, np.ndarray]:
     return out
 
 
+# --------------------------------------------------------------------------- a batch ramp across processes
+
+# The ramp's rungs come from a fixed policy (the k asked for after each update: up, down, up again), so the path is
+# known in advance: k = 1 for the first update, then RAMP_KS after updates 1, 2, ...
+RAMP_K_OF_UPDATE = (1, 2, 4, 2, 4)
+RAMP_KS = (2, 4, 2, 4, 4)
+RAMP_CALLS = 13  # 1 + 2 + 4 + 2 + 4: five updates
+
+
+def _ramp_policy(inputs):
+    table = jnp.asarray(RAMP_K_OF_UPDATE, jnp.float32)
+    return table[jnp.minimum(inputs.updates, len(RAMP_K_OF_UPDATE) - 1)]
+
+
+def replica_microbatch(position: int, replica: int) -> tuple[np.ndarray, np.ndarray]:
+    """Replica ``replica``'s rows of micro-batch ``position`` of the stream: a function of both alone, so a process
+    makes only its own replicas' rows."""
+    rng = np.random.default_rng([2000 + position, replica])
+    x = rng.normal(size=(PER_DEVICE_BATCH, IN_DIM)).astype(np.float32)
+    y = (np.sin(x[:, 0]) + 0.5 * x[:, 1] + 0.3 * rng.normal(size=PER_DEVICE_BATCH)).astype(np.float32)
+    return x, y
+
+
+def _own_rows(position: int, n: int, sharding: NamedSharding, which: int) -> jax.Array:
+    """Micro-batch ``position`` as a global array, each process making the rows of its own devices only (the
+    callback runs for this process's devices)."""
+
+    def rows(index):
+        start = index[0].start or 0
+        return replica_microbatch(position, start // PER_DEVICE_BATCH)[which]
+
+    shape = (n * PER_DEVICE_BATCH, IN_DIM) if which == 0 else (n * PER_DEVICE_BATCH,)
+    return jax.make_array_from_callback(shape, sharding, rows)
+
+
+def train_ramp(mesh: jax.sharding.Mesh) -> dict[str, np.ndarray]:
+    """A :class:`BatchRamp` under ``jax.shard_map`` over ``mesh``'s data axis: every call feeds micro-batch
+    ``batch_plan(opt_state)["microbatches_seen"]`` (read from the state), each process its own rows. Returns the
+    ``k`` held after each call (``ramp_k``), ``ramp_gain``, ``ramp_tau``, ``ramp_position`` and the final
+    parameters (``ramp_param_<name>``)."""
+    n = mesh.shape[AXIS]
+    schedule = optax.exponential_decay(0.05, transition_steps=5, decay_rate=0.8, staircase=True)
+    ramp = optax_adascale.BatchRamp(1, 4, hysteresis=1.0, patience=1, policy=_ramp_policy)
+    tx = optax_adascale.adascale_sgd(schedule, momentum=0.9, axis_name=AXIS, accumulation_steps=ramp)
+    param_specs = {k: P() for k in TP_SPECS}
+    rows = NamedSharding(mesh, P(AXIS))
+    params = {k: _global_array(v, NamedSharding(mesh, P())) for k, v in init_params().items()}
+    init = lambda p: optax_adascale.replicate_buffers(tx.init(p), n)  # noqa: E731
+    specs = optax_adascale.state_partition_specs(jax.eval_shape(init, params), AXIS)
+    opt_state = jax.jit(init, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs))(params)
+
+    def local_step(params, opt_state, x, y):
+        grads = jax.grad(loss_fn)(jax.lax.pcast(params, AXIS, to="varying"), x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    step = jax.jit(
+        jax.shard_map(
+            local_step,
+            mesh=mesh,
+            in_specs=(param_specs, specs, P(AXIS), P(AXIS)),
+            out_specs=(param_specs, specs),
+        )
+    )
+    history: dict[str, list[np.ndarray]] = {"k": [], "gain": [], "tau": [], "position": []}
+    for _ in range(RAMP_CALLS):
+        plan = optax_adascale.batch_plan(opt_state)
+        position = int(_fetch(plan["microbatches_seen"]))
+        params, opt_state = step(params, opt_state, _own_rows(position, n, rows, 0), _own_rows(position, n, rows, 1))
+        m = optax_adascale.metrics(opt_state)
+        history["k"].append(_fetch(optax_adascale.batch_plan(opt_state)["microbatches"]))
+        history["gain"].append(_fetch(m["gain"]))
+        history["tau"].append(_fetch(m["scale_invariant_steps"]))
+        history["position"].append(np.asarray(position))
+    out = {f"ramp_{key}": np.stack(values) for key, values in history.items()}
+    out.update({f"ramp_param_{k}": _fetch(v) for k, v in params.items()})
+    out["ramp_updates"] = _fetch(optax_adascale.get_adascale_state(opt_state).count)
+    return out
+
+
 # --------------------------------------------------------------------------- launching processes
 
 
@@ -265,6 +348,7 @@ def main() -> None:
         )
     mesh = jax.make_mesh((jax.device_count(),), (AXIS,))
     results = train_all(mesh)
+    results.update(train_ramp(mesh))
     if jax.device_count() == np.prod(TP_SHAPE):
         results.update(train_all_tp())
         for layout in TP_LAYOUTS:  # which process holds each (data, model) position

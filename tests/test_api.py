@@ -122,6 +122,7 @@ DOCUMENTED_METRICS = {
     "noise_scale_measured",
     "skipped_nonfinite_steps",
     "skipped_negative_lr_steps",
+    "skipped_altered_grads_steps",
 }
 
 

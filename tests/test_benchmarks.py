@@ -197,7 +197,7 @@ def _table_rows(section: str, first_cell: str) -> list[list[str]]:
     return [r for r in rows if r and r[0] == first_cell]
 
 
-@pytest.mark.study_smoke
+# Not study_smoke: one of the four cheapest, run on every CI JAX (issue 40: 34-61 s each on JAX 0.12)
 def test_estimator_smoke_tables_agree_with_each_other(tmp_path):
     run_study("estimator", "--smoke", "--out", tmp_path)
     text = (tmp_path / "README.md").read_text()
@@ -230,7 +230,7 @@ def test_the_estimator_study_names_the_package_default():
     assert optax_adascale.Estimator(**options) == optax_adascale.Estimator()
 
 
-@pytest.mark.study_smoke
+# Not study_smoke: one of the four cheapest, run on every CI JAX (issue 40: 34-61 s each on JAX 0.12)
 def test_the_committed_estimator_report_is_rebuilt_from_the_committed_cells(tmp_path):
     # The study's cells are committed: --report runs nothing and must give the committed section's tables.
     committed = (ROOT / "benchmarks" / "estimator" / "README.md").read_text()
@@ -262,7 +262,7 @@ def _fixed_rule_rows_are_consistent(section: str, adascale: str, total_steps: in
         assert row[3] and (method == adascale or row[4]), row  # Δ vs S = 1, and vs AdaScale for the others
 
 
-@pytest.mark.study_smoke
+# Not study_smoke: one of the four cheapest, run on every CI JAX (issue 40: 34-61 s each on JAX 0.12)
 def test_large_batch_smoke_stretches_every_rule_to_adascales_iterations(tmp_path):
     run_study("large_batch", "--smoke", "--out", tmp_path)
     section = (tmp_path / "README.md").read_text().split("### digits MLP")[1]
@@ -303,7 +303,7 @@ def test_ramp_smoke_writes_every_arm_the_goals_and_the_proxy(tmp_path):
         assert (tmp_path / "plots" / name).stat().st_size > 0 and f"plots/{name}" in section
 
 
-@pytest.mark.study_smoke
+# Not study_smoke: one of the four cheapest, run on every CI JAX (issue 40: 34-61 s each on JAX 0.12)
 def test_the_committed_ramp_report_is_rebuilt_from_the_committed_cells(tmp_path):
     # The study's cells are committed: --report runs nothing and must give the committed section's tables.
     committed = (ROOT / "benchmarks" / "ramp" / "README.md").read_text()

@@ -55,11 +55,18 @@ def test_every_opt_out_says_why():
                 assert re.match(r"# docs: not run \(.+\)", code), f"{page.name}: an opt-out must say why"
 
 
+WARNS = "# docs: warns"  # a block that shows a warning on purpose says so in one of its lines
+
+
 @pytest.mark.slow  # 10-30 s a page: each compiles several jitted steps
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_page_code_runs(page):
+    """Every block runs, and a block that is not about a warning prints none of the package's (a reader copying
+    it would see one: batch_ramp.md's GSPMD block printed the Auto mesh's ``param_specs`` warning)."""
+    import warnings
+
     namespace: dict = {"__name__": f"docs_{page.stem}"}
-    ran, pending = 0, []
+    ran, pending, warned = 0, [], []
     for i, code in enumerate(python_blocks(page.read_text())):
         if code.startswith(OPT_OUT):
             continue
@@ -67,14 +74,21 @@ def test_page_code_runs(page):
         if name:
             pending.append(f"block {i + 1} needs {name}")
             continue
+        where = f"{page}:block{i + 1}"
         try:
-            exec(compile(code, f"{page}:block{i + 1}", "exec"), namespace)  # noqa: S102 - our own documentation
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                exec(compile(code, where, "exec"), namespace)  # noqa: S102 - our own documentation
         except NameError:
             if not pending:
                 raise
             pending.append(f"block {i + 1} uses a name from a skipped block")
             continue
+        ours = [w for w in caught if w.filename == where and issubclass(w.category, UserWarning)]  # attributed to
+        if ours and WARNS not in code:  # the block's own line: the package's warnings (_checks.warn) are
+            warned.append(f"block {i + 1}: {str(ours[0].message)[:200]}")
         ran += 1
+    assert not warned, f"{page.name}: a block prints a warning it does not mean to show ({WARNS} (why)): {warned}"
     if pending:
         pytest.skip(f"{page.name}: ran {ran} blocks; not on this branch yet (issue 16/17): {'; '.join(pending)}")
     assert ran > 0
@@ -153,3 +167,12 @@ def test_getting_started_says_how_to_get_eight_cpu_devices_and_its_commands_give
         code = "import jax; print(jax.device_count())"
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.split()[-1] == "8", (line, out.stdout, out.stderr[-500:])
+
+
+def test_the_install_pages_say_how_to_install_from_a_clone():
+    """Issue 40 item 8: the pages said ``pip install optax_adascale``, which fails (no release on the index yet)."""
+    for name in ("index.md", "getting_started.md"):
+        text = (DOCS / name).read_text()
+        commands = [line.strip() for line in text.splitlines() if line.strip().startswith("pip install")]
+        assert not [c for c in commands if "optax_adascale" in c.split("#")[0]], name  # not on the index yet
+        assert "git clone" in text and re.search(r'pip install -e "?\.', text), name

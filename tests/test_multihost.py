@@ -2,8 +2,8 @@
 
 Each process runs ``multihost_worker.py`` with ``jax.distributed.initialize`` on
 127.0.0.1; the results must agree across processes and with the same computation
-on 8 devices in this (single) process: data parallelism over a 1-D mesh, and tensor
-parallelism over a 2-D ``(data=4, model=2)`` mesh whose axes cross the processes.
+on 8 devices in this (single) process: data parallelism over a 1-D mesh, a batch ramp on it (each process
+feeding its own rows), and tensor parallelism over a 2-D ``(data=4, model=2)`` mesh whose axes cross the processes.
 ``examples/multihost.py --smoke`` runs the same way, launched as its docstring says.
 
 Every test here starts processes that bind a coordinator port: one ``xdist_group``, so that they run one after
@@ -77,7 +77,7 @@ def multihost_results():
 def _single_process_results() -> dict[str, np.ndarray]:
     assert jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
     mesh = jax.make_mesh((jax.device_count(),), (multihost_worker.AXIS,))
-    return multihost_worker.train_all(mesh) | multihost_worker.train_all_tp()
+    return multihost_worker.train_all(mesh) | multihost_worker.train_all_tp() | multihost_worker.train_ramp(mesh)
 
 
 @pytest.fixture
@@ -138,6 +138,22 @@ def test_multihost_run_adapts_the_gain(multihost_results, run, accumulation_step
     scale = replicas * accumulation_steps
     assert np.all(applied > 1.0) and np.all(applied <= scale)
     np.testing.assert_allclose(taus[-1], np.sum(applied), rtol=1e-6)
+
+
+def test_a_ramp_across_processes_takes_one_processs_k_path_and_parameters(multihost_results, single_process_results):
+    """Issue 40 item 9: two processes, each feeding its own rows of micro-batch ``microbatches_seen`` (read from the
+    state), take the rungs the policy asks for and end with the parameters of one process feeding both hosts' rows."""
+    expected_k = []  # the k held after each call: the policy's table, applied at each update's last call
+    for update, calls_k in enumerate([1, *multihost_worker.RAMP_KS[:-1]]):
+        expected_k += [calls_k] * (calls_k - 1) + [multihost_worker.RAMP_KS[update]]
+    for results in (*multihost_results, single_process_results):
+        np.testing.assert_array_equal(results["ramp_k"], expected_k)
+        np.testing.assert_array_equal(results["ramp_position"], np.arange(multihost_worker.RAMP_CALLS))
+        assert int(results["ramp_updates"]) == len(multihost_worker.RAMP_KS)
+    for key in [k for k in single_process_results if k.startswith("ramp_")]:
+        for results in multihost_results:
+            _assert_close(results[key], single_process_results[key], key)
+    assert np.all(multihost_results[0]["ramp_gain"] >= 1.0) and float(multihost_results[0]["ramp_tau"][-1]) > 5
 
 
 def test_tensor_parallel_runs_match_data_parallelism_on_the_same_replicas(single_process_results):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -106,17 +107,24 @@ def per_token(diff_wrapper, config, data):
     """``diff_wrapper`` as the drop-in's micro-batches must see it. With ``gradient_accumulation_steps = k > 1``
     MaxText's loss is the micro-batch's ``xent_sum`` and its own accumulation divides the summed gradient by the
     global batch's token count ``W``: each micro-batch's loss is weighted ``k / W`` (the drop-in's mean over the
-    ``k`` micro-batches is then MaxText's ``Σ xent_sum / W``, gradient and value), and its logged ``xent_sum`` by
-    ``k`` (the mean is the sum MaxText logs). ``k = 1``: ``diff_wrapper`` itself."""
+    ``k`` micro-batches is then MaxText's ``Σ xent_sum / W``, gradient and value). With
+    ``use_tunix_gradient_accumulation=true`` MaxText's loss already is the micro-batch's mean (``xent_sum / W_j``)
+    and its accumulation divides the summed gradient by ``k``: the drop-in's mean over the micro-batches is that,
+    so the loss is left unweighted. Either way the logged ``xent_sum`` is weighted by ``k`` (the drop-in's mean of
+    it is then the sum MaxText logs, and ``learning/lm_loss`` the global per-token loss). ``k = 1``:
+    ``diff_wrapper`` itself."""
     k = config.gradient_accumulation_steps
     if k == 1:
         return diff_wrapper
-    scale = k / jnp.sum(data["targets_segmentation"] != 0).astype(jnp.float32)
+    if getattr(config, "use_tunix_gradient_accumulation", False):
+        scale = None
+    else:
+        scale = k / jnp.sum(data["targets_segmentation"] != 0).astype(jnp.float32)
 
     @functools.wraps(diff_wrapper)  # __wrapped__: MaxText's own loss (trial.py's --check differentiates it)
     def loss(*args):
         value, (aux, rest) = diff_wrapper(*args)
-        return value * scale, (dict(aux, xent_sum=aux["xent_sum"] * k), rest)
+        return value if scale is None else value * scale, (dict(aux, xent_sum=aux["xent_sum"] * k), rest)
 
     return loss
 
@@ -128,8 +136,28 @@ def done(state, config) -> bool:
 
 def extra(stats: list[Any]) -> dict[str, Any]:
     """``state.apply_gradients``' keywords: ``microbatch_stats`` when AdaScale is on, of ``curr_params`` (argnum
-    0, the optimizer's ``wrt``; NNX's ``Optimizer.update`` strips the Variables, ``nnx.as_pure``, itself)."""
+    0, the optimizer's ``wrt``; NNX's ``Optimizer.update`` strips the Variables, ``nnx.as_pure``, itself). With
+    AdaScale off (:func:`use_adascale` not called in this process) the patched step is MaxText's own: said once, by
+    a warning, when the step is traced."""
+    if not ON:
+        _say_off()
     if not stats:
         return {}
     (s,) = stats
     return {"microbatch_stats": dataclasses.replace(s, sq_norms=s.sq_norms[0], mean_sq_norms=s.mean_sq_norms[0])}
+
+
+OFF = (
+    "MaxText's train.py is patched for AdaScale (integrations/maxtext/train_step.patch), but "
+    "adascale_maxtext.use_adascale() was not called in this process before the train step was traced: this run is "
+    "MaxText's own step and optimizer, without AdaScale. Call it in the Python process that runs MaxText, after "
+    "importing adascale_maxtext and before train.main(argv) (or train_utils.setup_train_loop) builds the optimizer."
+)
+_said_off = False
+
+
+def _say_off() -> None:
+    global _said_off
+    if not _said_off:
+        _said_off = True
+        warnings.warn(OFF, UserWarning, stacklevel=3)

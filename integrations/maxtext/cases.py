@@ -36,6 +36,11 @@ CASES = {
     "auto, data 8": (["shard_mode=auto", "ici_data_parallelism=8", "ici_fsdp_parallelism=1"], []),
     "explicit, data 8": (["shard_mode=explicit", "ici_data_parallelism=8", "ici_fsdp_parallelism=1"], []),
     "auto, accumulation 2": (["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2"], []),
+    # MaxText's Tunix accumulation: the loss is then each micro-batch's mean (xent_sum / W_j), the gradient their mean
+    "auto, accumulation 2, tunix": (
+        ["shard_mode=auto", *FSDP8, "gradient_accumulation_steps=2", "use_tunix_gradient_accumulation=true"],
+        [],
+    ),
     "explicit, accumulation 2": (["shard_mode=explicit", *FSDP8, "gradient_accumulation_steps=2"], []),
     "auto, unequal tokens": (["shard_mode=auto", *FSDP8], ["--unequal"]),
     "explicit, unequal tokens": (["shard_mode=explicit", *FSDP8], ["--unequal"]),

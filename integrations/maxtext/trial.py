@@ -141,7 +141,8 @@ def checked(value_and_grad, closure: bool):
     """``optax_adascale.value_and_grad`` as the patched ``train_step`` calls it, recording at every step our gradient
     against MaxText's own (float32 runs): ``k = 1`` ``jax.value_and_grad`` of ``diff_wrapper`` on the global batch;
     ``k > 1`` MaxText's accumulation (``gradient_accumulation_loss_and_grad``: micro-batch ``j`` is rows ``j, j + k,
-    …``, NNX's ``rest`` threaded from one micro-batch to the next, ``Σ_j ∇xent_sum_j / W``), and the same sum over
+    …``, NNX's ``rest`` threaded from one micro-batch to the next, ``Σ_j ∇xent_sum_j / W``; with
+    ``use_tunix_gradient_accumulation`` the mean of the micro-batches' mean-loss gradients), and the same sum over
     the drop-in's micro-batches (the ``j``-th contiguous block of every data shard's rows). Also whether the
     returned ``rest`` (RNG counters) is MaxText's after the step."""
     import jax.numpy as jnp
@@ -172,8 +173,9 @@ def checked(value_and_grad, closure: bool):
                     part = jax.tree.map(lambda x, j=j, f=split[name]: f(x, j), data) if k > 1 else data
                     (_, (_, r)), g = step((curr, custom), r, part)
                     total = g if total is None else jax.tree.map(jnp.add, total, g)
-                if k > 1:
+                if k > 1:  # MaxText's divisor: W (its loss is xent_sum), or k (tunix: per-micro-batch means)
                     w = jnp.sum(data["targets_segmentation"] != 0).astype(jnp.float32)
+                    w = k if getattr(config, "use_tunix_gradient_accumulation", False) else w
                     total = jax.tree.map(lambda x, w=w: x / w, total)
                 refs[name], rests[name] = total, r
             norm = lambda t: jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(t)))  # noqa: E731
@@ -416,6 +418,7 @@ def main() -> int:
         "axis_types": [str(t) for t in mesh.axis_types],
         "iterations": 0,
         "loss": [],
+        "lm_loss": [],
         "gain": [],
         "tau": [],
         "step_s": [],
@@ -454,6 +457,7 @@ def main() -> int:
         in_step[0] = False
         record["step_s"].append(time.perf_counter() - t0)
         record["loss"].append(float(metrics["scalar"]["learning/loss"]))
+        record["lm_loss"].append(float(metrics["scalar"]["learning/lm_loss"]))
         if args.mode == "adascale":
             m = optax_adascale.metrics(state)
             record["gain"].append(float(m["gain"]))

@@ -53,6 +53,9 @@ class AdaScaleState(NamedTuple):
       negative_lr_steps: int32 ``[]``, of those, the updates skipped because the
         schedule's learning rate was negative (beyond float rounding: a value
         within ``1e-6`` of the schedule's largest counts as 0).
+      altered_grads_steps: int32 ``[]``, of those, the accumulated updates skipped because the gradients
+        ``update`` was given were not those :func:`value_and_grad`'s statistics measured (clipped or scaled
+        before ``update``; with accumulation ``b`` is taken from them): :func:`done` raises on it.
       skip_streak: int32 ``[]``, updates skipped since the last applied one.
       floored_steps: int32 ``[]``, applied updates with ``n > 1`` whose variance
         estimate was zero up to rounding (at the ``eps`` floor): replicas that
@@ -84,6 +87,7 @@ class AdaScaleState(NamedTuple):
     scale: Array
     skipped_steps: Array
     negative_lr_steps: Array
+    altered_grads_steps: Array
     skip_streak: Array
     floored_steps: Array
     micro_step: Array
@@ -125,6 +129,7 @@ def _init(
         scale=scalar(),
         skipped_steps=scalar(jnp.int32),
         negative_lr_steps=scalar(jnp.int32),
+        altered_grads_steps=scalar(jnp.int32),
         skip_streak=scalar(jnp.int32),
         floored_steps=scalar(jnp.int32),
         micro_step=scalar(jnp.int32),
@@ -164,16 +169,25 @@ def _update(
     strategy.check(axes, state, params)
     local_sq = groups.sums(axes.model.mask(samples.sq_leaves))
 
+    forgot = collection.axis_name is None and microbatch_stats is None  # a jit step that forgot the statistics?
     if ramp is None:
         n = axes.replicas * k * samples.count
         S = _scale(collection, n, axes.replicas)
-        if n == 1 and collection.axis_name is None and microbatch_stats is None:
+        if n == 1 and forgot:
             _axes.warn_if_partitioned(grads)
+        elif k > 1 and forgot:
+            _axes.warn_if_partitioned(grads, calls=f"k = {k} calls: accumulation_steps={k}")
     else:  # k_t is traced: one program for every rung; S_t = n_t
         _check_ramp_state(state)
-        per_microbatch = axes.replicas * samples.count
-        _ramp.check_samples(ramp, per_microbatch)
+        # A window starts at a rung of this ramp's ladder: k restored from another ramp's state moves onto it here
+        # (one in progress finishes at the k its calls were fed for, then moves in _decide).
         k = state.ramp.microbatches
+        k = jnp.where(state.micro_step == 0, _ramp.on_ladder(ramp, k), k).astype(jnp.int32)
+        state = state._replace(ramp=state.ramp._replace(microbatches=k))
+        per_microbatch = axes.replicas * samples.count
+        _ramp.check_samples(ramp, per_microbatch, _axes.partitioned_axes(grads) if forgot else {})
+        if forgot:
+            _axes.warn_if_partitioned(grads, calls="k_t calls: the BatchRamp's")
         n = S = k * per_microbatch
     shape = _step.Shape(groups=groups, axes=axes, n=n, S=S)
 
@@ -185,8 +199,19 @@ def _update(
 
     if ramp is None and k == 1:
         return step(grads, local_sq, state)
-    _axes.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name)
+    _axes.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name, grads)
+    altered = None
+    if samples.altered is not None:  # b would be taken from changed gradients: the window is skipped (a = −inf)
+        altered = samples.altered | jnp.any(jnp.isneginf(state.acc_sq_norm))
+        local_sq = jnp.where(samples.altered, -jnp.inf, local_sq)
     new_updates, new_state = _accumulate.accumulate(k, grads, local_sq, state, step)
+    if altered is not None:
+        counted = altered & (new_state.skipped_steps != state.skipped_steps)
+        new_state = new_state._replace(
+            altered_grads_steps=jnp.where(
+                counted, optax.safe_increment(new_state.altered_grads_steps), new_state.altered_grads_steps
+            )
+        )
     if ramp is not None:  # every call: the loader's position, and the samples per call (for the readers)
         new_state = new_state._replace(
             ramp=new_state.ramp._replace(
@@ -251,7 +276,8 @@ def _scale(collection: _options.Options, n: int, replicas: int) -> Any:
     if n == 1 and collection.axis_name is not None and replicas == 1:
         _checks.warn(
             f"axis_name={collection.axis_name!r} has a single replica here, so AdaScale sees n = 1 gradient "
-            "sample per update and is the identity (gain 1, plain SGD on lr(t)). To train at a larger "
+            "sample per update and is the identity (gain 1: your inner optimizer's own step on lr(t)). To train at "
+            "a larger "
             "scale on one device, split the batch into micro-batches (optax_adascale.value_and_grad(loss, "
             "num_microbatches=k) + update(..., microbatch_stats=...)) or set accumulation_steps."
         )
@@ -276,7 +302,11 @@ def transform(
     def init_fn(params):
         return _init(options, reduction, inner, params)
 
+    rows_seen: set[tuple[int, ...]] = set()  # the drop-in's batch sizes under a ramp, for check_rows' warning only
+
     def update_fn(updates, state, params=None, *, microbatch_stats=None, **extra_args):
+        if options.ramp is not None and isinstance(microbatch_stats, MicrobatchStats):
+            _ramp.check_rows(rows_seen, microbatch_stats.rows)
         return _update(options, update, reduction, updates, state, params, microbatch_stats, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

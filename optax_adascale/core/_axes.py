@@ -109,9 +109,11 @@ def partitioned_axes(tree: Any) -> dict[str, int]:
     return found
 
 
-def warn_if_partitioned(grads: Any) -> None:
-    """Warn where ``update`` sees ``n = 1`` sample (no ``axis_name``, no ``microbatch_stats``) in a step over several
-    devices: a jit step over the global batch that forgot ``microbatch_stats=stats`` trains at gain 1."""
+def warn_if_partitioned(grads: Any, calls: Any = None) -> None:
+    """Warn where ``update`` gets no ``microbatch_stats`` and has no ``axis_name`` in a step over several devices: a
+    jit step over the global batch that forgot ``microbatch_stats=stats`` sees one sample per call. ``calls``:
+    ``None`` (one call per update: ``n = 1``, gain 1), or the calls an update accumulates (``k``, or the ramp's
+    description): ``n = k``, not one sample per data shard per call."""
     axes = partitioned_axes(grads)
     if not axes:
         return
@@ -119,14 +121,29 @@ def warn_if_partitioned(grads: Any) -> None:
     for size in axes.values():
         devices *= size
     data = next(iter(axes))
+    if calls is None:
+        what = (
+            "AdaScale sees n = 1 gradient sample per update and is the identity (gain 1, S = 1: your inner "
+            "optimizer's own step on lr(t), as without AdaScale)"
+        )
+    else:
+        what = (
+            f"AdaScale sees one gradient sample per call (the whole global batch's), so an update ({calls}) "
+            f"has n = S = k samples, not one per data shard and call ({devices} × k): the gain is capped at k and "
+            "the schedule's clock runs at S = k"
+        )
     _checks.warn(
         f"update got no microbatch_stats and the optimizer has no axis_name, but this step is partitioned over "
-        f"{devices} devices (mesh axes {axes}): AdaScale sees n = 1 gradient sample per update and is the identity "
-        "(gain 1, S = 1: plain SGD on lr(t)). In a jax.jit step over the global batch take the statistics from the "
-        f"drop-in and pass them: loss, grads, stats = optax_adascale.value_and_grad(loss_fn, data_axes={data!r})"
-        "(params, *batch); tx.update(grads, opt_state, params, microbatch_stats=stats). If no mesh axis is data "
-        "parallel (tensor parallelism alone), take samples as micro-batches: value_and_grad(loss_fn, "
-        "num_microbatches=k)."
+        f"{devices} devices (mesh axes {axes}): {what}. In a jax.jit step over the global batch take the statistics "
+        "from the drop-in and pass them: loss, grads, stats = "
+        f"optax_adascale.value_and_grad(loss_fn, data_axes={data!r})(params, *batch); "
+        "tx.update(grads, opt_state, params, microbatch_stats=stats). If no mesh axis is data parallel (tensor "
+        "parallelism alone), "
+        + (
+            "take samples as micro-batches: value_and_grad(loss_fn, num_microbatches=k)."
+            if calls is None
+            else "each call's gradient is the sample you meant, and this warning can be filtered."
+        )
     )
 
 
@@ -298,17 +315,34 @@ def check_grads_follow_params(grads: Any, params: Any, axis_name: AxisName | Non
         )
 
 
-def check_buffers_per_replica(acc_sq_norm: Array, axis_name: AxisName | None) -> None:
-    """Raise if accumulation buffers under shard_map are shared by the replicas (no ``replicate_buffers``)."""
+def check_buffers_per_replica(acc_sq_norm: Array, axis_name: AxisName | None, grads: Any = None) -> None:
+    """Raise if accumulation buffers are shared by the replicas (no ``replicate_buffers``): under shard_map (the
+    buffers do not vary over the axis), and under ``vmap`` (the gradients are batched over the axis, the buffers
+    are not: JAX's own error would be "vmap has mapped output ... but out_axes is None")."""
+    batched = lambda x: {getattr(d, "name", None) for d in _compat.batch_trace_axes(x)}  # noqa: E731
+    mapped = set().union(*(batched(g) for g in jax.tree.leaves(grads))) if grads is not None else set()
     for name in axis_names(axis_name):
         if vma_checked(name) and name not in varying_axes(acc_sq_norm):
-            raise ValueError(
-                f"accumulation_steps > 1 under jax.shard_map needs per-replica accumulation buffers, but "
-                f"opt_state's buffers do not vary over {name!r}. Give each replica its own: "
-                "opt_state = optax_adascale.replicate_buffers(tx.init(params), num_replicas), and pass "
-                f"optax_adascale.state_partition_specs(opt_state, {axis_name!r}) as the state's in_specs "
-                "and out_specs."
+            where = (
+                "jax.shard_map needs per-replica accumulation buffers, but opt_state's buffers do not vary over "
+                f"{name!r}"
             )
+            specs = (
+                f"pass optax_adascale.state_partition_specs(opt_state, {axis_name!r}) as the state's in_specs and "
+                "out_specs"
+            )
+        elif name in mapped and name not in batched(acc_sq_norm):
+            where = (
+                "jax.vmap needs per-replica accumulation buffers, but opt_state's buffers are not mapped over "
+                f"{name!r} (in_axes=None)"
+            )
+            specs = "pass optax_adascale.state_axes(opt_state) as the state's in_axes and out_axes"
+        else:
+            continue
+        raise ValueError(
+            f"accumulation_steps > 1 (or a BatchRamp) under {where}. Give each replica its own: "
+            f"opt_state = optax_adascale.replicate_buffers(tx.init(params), num_replicas), and {specs}."
+        )
 
 
 def check_vmap_axis_not_explicit(grads: Any, axis_name: AxisName | None) -> None:

@@ -199,15 +199,51 @@ def init_state(ramp: BatchRamp) -> RampState:
     )
 
 
-def check_samples(ramp: BatchRamp, per_microbatch: int) -> None:
-    """Raise where the ramp's lowest rung gives ``n = 1`` sample per update (no variance to estimate)."""
-    if ramp.min_microbatches * per_microbatch < 2:
+def check_samples(ramp: BatchRamp, per_microbatch: int, forgot_stats_on: dict[str, int] | None = None) -> None:
+    """Raise where the ramp's lowest rung gives ``n = 1`` sample per update (no variance to estimate).
+
+    ``forgot_stats_on``: the mesh axes a jit step with no ``microbatch_stats`` and no ``axis_name`` is partitioned
+    over: the statistics it forgot come first in the message."""
+    if ramp.min_microbatches * per_microbatch >= 2:
+        return
+    n = ramp.min_microbatches * per_microbatch
+    if forgot_stats_on:
+        devices = int(np.prod(list(forgot_stats_on.values())))
+        data = next(iter(forgot_stats_on))
         raise ValueError(
-            f"BatchRamp(min_microbatches={ramp.min_microbatches}) gives n = {ramp.min_microbatches * per_microbatch}"
-            " gradient sample per update at its lowest rung, and AdaScale cannot estimate the gradient variance "
-            "from one sample. Set min_microbatches >= 2, or average several samples per call: replicas on "
-            "axis_name, or microbatch_stats from value_and_grad(..., num_microbatches=2)."
+            f"update got no microbatch_stats, but this step is partitioned over {devices} devices (mesh axes "
+            f"{forgot_stats_on}): pass the statistics of the drop-in, loss, grads, stats = "
+            f"optax_adascale.value_and_grad(loss_fn, data_axes={data!r})(params, *batch); tx.update(grads, "
+            "opt_state, params, microbatch_stats=stats). Each data shard's gradient is then a sample, and "
+            f"BatchRamp(min_microbatches={ramp.min_microbatches}) has one per data shard and call. Without them "
+            f"AdaScale sees one sample per call (the global batch's): n = {n} at the lowest rung, from which no "
+            "variance can be estimated (a higher min_microbatches would run at S = k, not one sample per shard)."
         )
+    raise ValueError(
+        f"BatchRamp(min_microbatches={ramp.min_microbatches}) gives n = {n}"
+        " gradient sample per update at its lowest rung, and AdaScale cannot estimate the gradient variance "
+        "from one sample. Set min_microbatches >= 2, or average several samples per call: replicas on "
+        "axis_name, or microbatch_stats from value_and_grad(..., num_microbatches=2)."
+    )
+
+
+def check_rows(seen: set[tuple[int, ...]], rows: tuple[int, ...] | None) -> None:
+    """Warn (when ``update`` is traced) where a ramp's call brings a micro-batch of another size than before: the
+    ramp's micro-batch is fixed, and a loader that feeds the whole update's ``k_t`` micro-batches every call
+    recompiles at every rung, reads ``k_t`` times the data, and counts each call as one micro-batch. ``seen``: the
+    sizes this transformation was traced with (a diagnostic only; the controller reads nothing from it)."""
+    if rows is None:
+        return
+    if seen and rows not in seen:
+        _checks.warn(
+            f"update under a BatchRamp got a batch whose arrays have {list(rows)} rows, after "
+            f"{list(sorted(seen)[0])}: the ramp's micro-batch is fixed and each call is one micro-batch (the "
+            "update takes k_t calls), so a batch that changes size recompiles the step, and one that holds the "
+            "whole update (k_t micro-batches at once) also reads k_t times the data. Feed one micro-batch per "
+            "call, the one at position optax_adascale.batch_plan(opt_state)['microbatches_seen'] of your "
+            "stream (not the update count)."
+        )
+    seen.add(rows)
 
 
 def _rung_at_most(ladder: Array, x: Array) -> Array:
@@ -216,10 +252,16 @@ def _rung_at_most(ladder: Array, x: Array) -> Array:
     return ladder[jnp.maximum(below - 1, 0)]
 
 
+def on_ladder(ramp: BatchRamp, k: Array) -> Array:
+    """``k`` moved onto this ramp's ladder: the largest rung ``≤ k`` (the lowest rung below it). The identity for a
+    ``k`` this ramp chose; it moves a ``k`` restored from another ramp's state (a checkpoint, ``transfer_state``)."""
+    return _rung_at_most(jnp.asarray(ramp.ladder, jnp.int32), jnp.asarray(k).astype(jnp.float32)).astype(jnp.int32)
+
+
 def after_update(ramp: BatchRamp, state: RampState, inputs: RampInputs, applied: Array) -> RampState:
     """The controller: ``k`` for the next update, from the statistics after an applied update (replicated)."""
     ladder = jnp.asarray(ramp.ladder, jnp.int32)
-    k = state.microbatches
+    k = on_ladder(ramp, state.microbatches)  # an update at a k from another ladder (restored) lands on this one
     wanted = ramp.target(inputs)
     up = _rung_at_most(ladder, wanted)
     h = jnp.float32(ramp.hysteresis)

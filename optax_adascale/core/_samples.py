@@ -16,6 +16,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from optax_adascale.core import _norms
 
@@ -43,13 +44,22 @@ class MicrobatchStats:
       mean_sq_norms: ``None``, or a pytree shaped like the gradients: each leaf's
         ``‖ḡ‖²`` (float32) of the samples' true mean, taken where the samples were
         (the GSPMD drop-in). ``update`` then reads ``b`` here instead of from the
-        gradients it is given, so clipping or scaling them first leaves the gain right.
+        gradients it is given, so clipping or scaling them first leaves the gain right. Accumulating
+        across calls (``accumulation_steps > 1``, a :class:`BatchRamp`), ``b`` is that of the mean of
+        the gradients ``update`` is given, and these values tell whether they are the ones measured
+        (:data:`ALTERED_RTOL`): changed gradients skip the update (``metrics()``'s
+        ``skipped_altered_grads_steps``; :func:`done` raises naming the fix).
+      rows: static; ``None``, or the first dimensions of the arrays the drop-in (global batch) was called with
+        besides the differentiated ones (the batch's rows among them). Under a :class:`BatchRamp`, whose
+        micro-batch is fixed, ``update`` warns when a call brings other sizes (a loader feeding the whole
+        update's batch every call).
     """
 
     sq_norms: Any
     num_microbatches: int = dataclasses.field(default=1, metadata=dict(static=True))
     fsdp: bool = dataclasses.field(default=False, metadata=dict(static=True))
     mean_sq_norms: Any = None
+    rows: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +75,9 @@ class Samples:
         ``None``: then the reduction computes it from the gradients.
       rows: the gradients are ZeRO rows already reduce-scattered (FSDP probes).
       weights: the preconditioner's per-leaf multipliers, or ``None``.
+      altered: ``None``, or (accumulating the drop-in's statistics) a traced bool: the gradients given are not
+        those the statistics measured, their ``Σ‖g‖²`` off by more than :data:`ALTERED_RTOL` of ``Σ mean_sq_norms``
+        (clipped, scaled or otherwise changed between ``value_and_grad`` and ``update``).
     """
 
     sq_leaves: list[Array]
@@ -72,6 +85,7 @@ class Samples:
     mean_sq: list[Array] | None = None
     rows: bool = False
     weights: list[Array] | None = None
+    altered: Array | None = None
 
     @classmethod
     def of(
@@ -107,10 +121,27 @@ class Samples:
                 f"got accumulation_steps={accumulation_steps}; use more data-parallel replicas"
             )
         sq = _leaves(treedef, microbatch_stats.sq_norms, "sq_norms")
-        mean_sq = None
-        if microbatch_stats.mean_sq_norms is not None and accumulation_steps == 1:
-            mean_sq = _leaves(treedef, microbatch_stats.mean_sq_norms, "mean_sq_norms")
-        return cls(sq, microbatch_stats.num_microbatches, mean_sq, rows, weights)
+        mean_sq = altered = None
+        if microbatch_stats.mean_sq_norms is not None:
+            measured = _leaves(treedef, microbatch_stats.mean_sq_norms, "mean_sq_norms")
+            if accumulation_steps == 1:
+                mean_sq = measured
+            else:  # b comes from the accumulated gradients: they must be the ones measured
+                altered = _altered(jax.tree.leaves(grads), measured)
+        return cls(sq, microbatch_stats.num_microbatches, mean_sq, rows, weights, altered)
+
+
+# The gradients given to an accumulating update are the drop-in's when their total squared norm is within this
+# (relative) of the one it measured: float32 summation order and a bfloat16 cast stay well inside (≤ 0.4 %), a
+# clipping or a scale that changes b by more does not.
+ALTERED_RTOL = 1e-2
+
+
+def _altered(grads: list[Array], measured: list[Array]) -> Array:
+    """Whether ``Σ‖g‖²`` of the gradients differs from the measured ``Σ‖ḡ‖²`` by more than :data:`ALTERED_RTOL`."""
+    given = sum((_norms.leaf_sq_norm(g) for g in grads), jnp.zeros([], jnp.float32))
+    want = sum((jnp.asarray(m, jnp.float32) for m in measured), jnp.zeros([], jnp.float32))
+    return jnp.abs(given - want) > ALTERED_RTOL * want
 
 
 def _leaves(treedef: Any, tree: Any, name: str) -> list[Array]:

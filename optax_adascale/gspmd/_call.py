@@ -96,6 +96,25 @@ class Call:
 
         return inner, params, state, arrays
 
+    def array_names(self, loss_fn: Callable[..., Any], args: tuple[Any, ...]) -> list[str]:
+        """A name for each of :meth:`bind`'s ``arrays``, for messages: the parameter's name in ``loss_fn``'s
+        signature where it has one (else ``argument i``), and the key path inside the argument."""
+        try:
+            import inspect
+
+            names = [p.name for p in inspect.signature(loss_fn).parameters.values()]
+        except (TypeError, ValueError):
+            names = []
+        out = []
+        for i, a in enumerate(args):
+            if i in (*self.argnums, self.state_argnum):
+                continue
+            base = names[i] if i < len(names) and not names[i].startswith("*") else f"argument {i}"
+            for path, leaf in jax.tree_util.tree_leaves_with_path(a):
+                if is_array(leaf):
+                    out.append(base + jax.tree_util.keystr(path))
+        return out
+
     def arg_specs(self, given: Any, args: tuple[Any, ...]) -> tuple[Any, list] | None:
         """``arg_specs`` as ``(the state's, one per array leaf of the other arguments)``; ``None`` if not given.
 

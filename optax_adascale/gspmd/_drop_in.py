@@ -183,16 +183,35 @@ def value_and_grad(
             if layout.shards == 1:  # one data shard: no copies to tell apart, the k micro-batches are the samples
                 return _global.one_shard(inner, has_aux, layout, params, inner_args, unroll, n_state)
             convert = _layout.auto_axes(the_mesh)
+            arg_names = call.array_names(loss_fn, args)
             if convert:
-                batch = _batch_specs(layout, state, arrays, call.arg_specs(arg_specs, args))
+                batch = _batch_specs(layout, state, arrays, call.arg_specs(arg_specs, args), arg_names)
                 return _converted(
                     inner, has_aux, layout, the_mesh, convert, specs, batch, params, inner_args, unroll, n_state
                 )
             if specs is not None:
                 _layout.check_specs_agree(specs, params)
+            sharded = [
+                i
+                for i, x in enumerate(arrays)
+                if jnp.ndim(x) and set(layout.data) <= set(_layout.spec_axes(_layout.partitions(x)[0]))
+            ]
+            if layout.k > 1:  # (k = 1: the shardings themselves need the rows to divide the shards)
+                _check_rows_split(layout, arrays, arg_names, sharded)
             return _global.run(inner, has_aux, layout, params, inner_args, unroll=unroll, n_state=n_state)
 
-    return fn
+    def with_rows(*args):
+        value, grads, stats = fn(*args)
+        return value, grads, _with_rows(stats, call.bind(loss_fn, args)[3])
+
+    return with_rows
+
+
+def _with_rows(stats: Any, arrays: list[Any]) -> Any:
+    """``stats`` with ``rows``: the first dimensions of the arguments' arrays (static), which a :class:`BatchRamp`'s
+    ``update`` holds fixed."""
+    rows = tuple(int(jnp.shape(x)[0]) for x in arrays if jnp.ndim(x))
+    return dataclasses.replace(stats, rows=rows) if isinstance(stats, MicrobatchStats) else stats
 
 
 def _per_replica(loss_fn, call, k, has_aux, mesh, unroll):
@@ -301,19 +320,25 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert, specs, arg_specs
     return converted(leaves, flat, captured)
 
 
-def _batch_specs(layout: Layout, state: Any, arrays: list[Any], given: Any) -> list[P]:
+def _batch_specs(layout: Layout, state: Any, arrays: list[Any], given: Any, names: list[str]) -> list[P]:
     """Each argument leaf's spec inside the loss on an Auto mesh (whose types do not record it), the state's leaves
     first: ``arg_specs`` (:meth:`Call.arg_specs`), or the batch inferred (every array whose first dimension
-    ``shards × k`` divide; state replicated), refused where ambiguous."""
+    ``shards × k`` divide; state replicated), refused where ambiguous or where no array's rows split."""
     state_leaves = jax.tree.leaves(state)
     if given is not None:
         state_spec, array_specs = given
         state_specs = [P()] * len(state_leaves) if state_spec is None else broadcast(state_spec, state)
         per_leaf = state_specs + list(array_specs)
-        return _layout.specs_like(per_leaf, [*state_leaves, *arrays], layout, "arg_specs")
+        specs = _layout.specs_like(per_leaf, [*state_leaves, *arrays], layout, "arg_specs")
+        sharded = [i for i, spec in enumerate(specs[len(state_leaves) :]) if _rows_over_data(layout, spec)]
+        _check_rows_split(layout, arrays, names, sharded)
+        return specs
     is_key = lambda x: jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)  # noqa: E731
     n = layout.shards * layout.k
-    rows = [i for i, x in enumerate(arrays) if jnp.ndim(x) and not is_key(x) and jnp.shape(x)[0] % n == 0]
+    candidates = [i for i, x in enumerate(arrays) if jnp.ndim(x) and not is_key(x)]
+    rows = [i for i in candidates if jnp.shape(arrays[i])[0] % n == 0]
+    if not rows:  # nothing splits: name the arrays that could be the batch, not "no argument is sharded"
+        _check_rows_split(layout, arrays, names, candidates, inferred=True)
     sizes = sorted({arrays[i].shape[0] for i in rows})
     if len(sizes) > 1:
         raise ValueError(
@@ -324,6 +349,31 @@ def _batch_specs(layout: Layout, state: Any, arrays: list[Any], given: Any) -> l
             "or use a mesh with Explicit axes (jax.make_mesh's default)."
         )
     return [P()] * len(state_leaves) + [P(layout.data_spec) if i in rows else P() for i in range(len(arrays))]
+
+
+def _rows_over_data(layout: Layout, spec: Any) -> bool:
+    return bool(spec) and set(layout.data) <= set(_layout.spec_axes(spec[0]))
+
+
+def _check_rows_split(
+    layout: Layout, arrays: list[Any], names: list[str], batch: list[int], inferred: bool = False
+) -> None:
+    """Raise naming the batch's arguments and sizes where their rows do not split into ``shards × k`` blocks (data
+    shard ``s``'s micro-batch ``j`` is the ``j``-th block of its rows)."""
+    bad = [i for i in batch if jnp.shape(arrays[i])[0] % layout.n]
+    if not bad:
+        return
+    which = ", ".join(f"{names[i] if i < len(names) else f'array {i}'} has {jnp.shape(arrays[i])[0]} rows" for i in bad)
+    rows = jnp.shape(arrays[bad[0]])[0]
+    per_shard = f"{rows / layout.shards:g}"
+    raise ValueError(
+        f"value_and_grad(data_axes={layout.data_spec!r}, num_microbatches={layout.k}): {which}: the batch does not "
+        f"split into data shards × micro-batches = {layout.shards} × {layout.k} = {layout.n} equal blocks of rows "
+        f"({per_shard} rows per data shard, {rows / layout.n:g} per micro-batch). Feed a batch whose rows are a "
+        f"multiple of {layout.n} (e.g. {max(layout.n, rows // layout.n * layout.n)} or "
+        f"{(rows // layout.n + 1) * layout.n}), or a num_microbatches that divides the rows of a data shard."
+        + (" If these are not the batch, say which argument is with arg_specs=." if inferred else "")
+    )
 
 
 def _auto_refusal(layout: Layout, convert, err) -> str:

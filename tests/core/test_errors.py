@@ -352,6 +352,22 @@ def test_accumulation_under_shard_map_without_replicate_buffers_names_the_fix():
         _shard_map(step, 3)(PARAMS, tx.init(PARAMS), jnp.ones((4, 2)))
 
 
+@pytest.mark.parametrize("accumulation", [2, optax_adascale.BatchRamp(2, 4)], ids=["k=2", "BatchRamp(2, 4)"])
+def test_accumulation_under_vmap_without_replicate_buffers_names_the_fix(accumulation):
+    """Issue 40 item 5: under vmap the state's buffers with in_axes=None gave JAX's "vmap has mapped output
+    (axis_name=i) but out_axes is None"; now our error, naming replicate_buffers and state_axes. With them it runs."""
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="i", accumulation_steps=accumulation)
+    grads = jnp.stack([jnp.full((2,), i + 1.0) for i in range(4)])
+    shared = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
+    with pytest.raises(ValueError, match=r"^accumulation_steps > 1.*jax.vmap.*replicate_buffers.*state_axes"):
+        jax.jit(shared)(grads, tx.init(jnp.zeros(2)), jnp.zeros(2))
+    state = optax_adascale.replicate_buffers(tx.init(jnp.zeros(2)), 4)
+    axes = optax_adascale.state_axes(state)
+    own = jax.vmap(tx.update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i")
+    _, state = jax.jit(own)(grads, state, jnp.zeros(2))
+    np.testing.assert_array_equal(optax_adascale.get_adascale_state(state).acc_grads, grads)  # each its own
+
+
 # --------------------------------------------------------------------------- one device meant to scale
 
 

@@ -5,6 +5,7 @@ compile for the whole ramp; under accumulation the drop-in's statistics are thos
 """
 
 import contextlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -141,7 +142,8 @@ def test_every_front_door_takes_the_same_rungs_and_the_same_steps_with_one_compi
     ref_params, ref_state, ref_ks = reference
     assert ref_ks == EXPECTED_KS
     later = []
-    with backend_compiles("ramp_step") as compiles:
+    with backend_compiles("ramp_step") as compiles, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         if door == "gspmd":
             mesh, tx, step, put = gspmd_setup()
             with jax.set_mesh(mesh):
@@ -150,6 +152,7 @@ def test_every_front_door_takes_the_same_rungs_and_the_same_steps_with_one_compi
             step, params, state = RUNS[door]()
             params, state, ks = loop(step, params, state, later=later)
     assert ks == EXPECTED_KS
+    assert not [w for w in caught if "BatchRamp got a batch" in str(w.message)]  # one micro-batch per call
     assert later == []  # nothing compiles after the first call: rungs 2 and 4, up and down, run the same program
     if door != "pmap":  # (pmap's program has an internal name)
         assert len(compiles) == 1 and step._cache_size() == 1, compiles
@@ -219,3 +222,28 @@ def test_gspmd_buffers_lie_like_the_params_and_the_ramp_compiles_once():
     assert ks == EXPECTED_KS and step._cache_size() == 1
     leaf = optax_adascale.get_adascale_state(state).acc_grads["hidden"]["w"]
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data")), leaf.ndim)
+
+
+def test_a_loader_that_feeds_the_whole_updates_batch_every_call_is_warned_about():
+    """Issue 40 item 4: fed k_t micro-batches at once every call (the whole update's batch), a ramp recompiled at
+    every rung and read k_t times the data, with no word. The drop-in's statistics carry the batch's rows, and an
+    update under a ramp warns when they change; the loop of one micro-batch per call says nothing."""
+    mesh, tx, step, put = gspmd_setup()
+    x, y = data()
+
+    def whole_update(state):  # the wrong loader: k_t micro-batches per call, starting at the update count
+        k = int(optax_adascale.batch_plan(state)["microbatches"])
+        start = int(optax_adascale.get_adascale_state(state).count) * k
+        rows = NamedSharding(mesh, P("data"))
+        xs, ys = x[start : start + k].reshape(-1, DIM), y[start : start + k].reshape(-1)
+        return jax.device_put(xs, rows), jax.device_put(ys, rows)
+
+    with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        params, state = init_mlp(), jax.jit(tx.init)(init_mlp())
+        for _ in range(3):  # k: 1, then 2 (EXPECTED_KS)
+            params, state = step(params, state, *whole_update(state))
+    said = [str(w.message) for w in caught if "BatchRamp got a batch" in str(w.message)]
+    assert len(said) == 1 and f"[{2 * R * ROWS}, {2 * R * ROWS}] rows, after [{R * ROWS}, {R * ROWS}]" in said[0]
+    assert "microbatches_seen" in said[0]
+    # (the loop of one micro-batch per call warns nothing: test_every_front_door_..., gspmd)

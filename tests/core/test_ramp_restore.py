@@ -30,8 +30,8 @@ def microbatch(position):
     return x[rows].reshape(R, ROWS, DIM), y[rows].reshape(R, ROWS), rows
 
 
-def make():
-    ramp = optax_adascale.BatchRamp(1, 4, efficiency=0.5, patience=1)
+def make(ramp=None):
+    ramp = ramp or optax_adascale.BatchRamp(1, 4, efficiency=0.5, patience=1)
     tx = optax_adascale.adascale_sgd(SCHEDULE, momentum=0.9, axis_name="i", accumulation_steps=ramp)
     fresh = optax_adascale.replicate_buffers(tx.init(init_mlp()), R)
     axes = optax_adascale.state_axes(fresh)
@@ -83,3 +83,49 @@ def test_a_run_restored_mid_ramp_and_mid_window_is_the_uninterrupted_run_bit_for
     assert sorted(fed) == sorted(set(fed)) and len(fed) == CALLS * R * ROWS  # none repeated, none skipped
     ks = {int(k) for k in np.asarray(straight[1].ramp.microbatches).ravel()}
     assert max(ks) > 1
+
+
+# --------------------------------------------------------------------------- into another ramp (issue 40 item 3)
+
+
+def greedy(max_microbatches):
+    """A ramp whose policy always asks for 8 micro-batches: it climbs to its top rung at its first update."""
+    return optax_adascale.BatchRamp(1, max_microbatches, patience=1, policy=lambda inputs: 8.0)
+
+
+def calls_per_update(step, params, state, calls):
+    """Feed ``calls`` more calls; the calls each applied update took (the first counts from the restore)."""
+    taken, since = [], 0
+    for _ in range(calls):
+        count = int(optax_adascale.get_adascale_state(state).count)
+        params, state = train(step, params, state, int(optax_adascale.batch_plan(state)["microbatches_seen"]) + 1, [])
+        since += 1
+        if int(optax_adascale.get_adascale_state(state).count) > count:
+            taken.append(since)
+            since = 0
+    return params, state, taken
+
+
+def test_a_state_restored_into_a_smaller_ramp_moves_k_onto_its_ladder(tmp_path):
+    """Saved with BatchRamp(1, 8) at k = 8, restored into a state built with BatchRamp(1, 4): on main the batch
+    stayed at 8 micro-batches (400 calls in the report). At an update boundary k is 4 from the first call; in the
+    middle of a window the window finishes at the k its calls were fed for (nothing dropped: the update is the
+    uninterrupted run's), then 4. transfer_state into a BatchRamp(1, 4) state does the same."""
+    step8, fresh8 = make(greedy(8))
+    step4, fresh4 = make(greedy(4))
+    params, state, taken = calls_per_update(step8, init_mlp(), fresh8, 9)
+    assert taken == [1, 8] and int(optax_adascale.batch_plan(state)["microbatches"]) == 8  # the old run at k = 8
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "boundary", {"params": params, "opt_state": state})
+        restored = ckpt.restore(tmp_path / "boundary", {"params": init_mlp(), "opt_state": fresh4})
+    for p, s in ((restored["params"], restored["opt_state"]), (params, optax_adascale.transfer_state(state, fresh4))):
+        _, s, taken = calls_per_update(step4, p, s, 8)
+        assert taken == [4, 4] and int(optax_adascale.batch_plan(s)["microbatches"]) == 4
+
+    params, state, _ = calls_per_update(step8, params, state, 3)  # 3 calls into a window of 8
+    straight_params, straight, taken = calls_per_update(step8, params, state, 5)
+    assert taken == [5]
+    moved_params, moved, taken = calls_per_update(step4, params, state, 13)
+    assert taken == [5, 4, 4]
+    first_update = calls_per_update(step4, params, state, 5)[:2]
+    assert bits_equal(first_update, (straight_params, straight._replace(ramp=straight.ramp._replace(microbatches=4))))

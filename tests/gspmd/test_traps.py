@@ -120,6 +120,66 @@ def test_grads_changed_between_the_drop_in_and_update_leave_the_gain_as_unchange
             assert float(norm) < 0.1  # the clip (or scale) was active
 
 
+@pytest.mark.parametrize(
+    "accumulation", [2, optax_adascale.BatchRamp(1, 4, patience=1)], ids=["accumulation_steps=2", "BatchRamp(1, 4)"]
+)
+def test_clipping_before_an_accumulating_update_is_refused_and_inside_inner_trains(accumulation):
+    """Issue 40 item 1. With accumulation AdaScale takes b from the mean of the gradients it is given, so the
+    statistics' ‖ḡ‖² cannot cover a clip before update: on main the gain stuck at S, grad_sqr at 0 and τ ran
+    ahead. The changed gradients are refused: every window is skipped (parameters and τ untouched), counted in
+    skipped_altered_grads_steps, and done() raises naming the fix; the same clip inside inner trains."""
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+    clip = optax.clip_by_global_norm(1e-3)
+    before = optax.chain(clip, optax_adascale.adascale_sgd(0.1, accumulation_steps=accumulation))
+    inside = optax_adascale.adascale(optax.chain(clip, optax.identity()), 0.1, accumulation_steps=accumulation)
+
+    def run(tx, calls=8):
+        @jax.jit
+        def step(params, opt_state, x, y):
+            _, grads, stats = grad_fn(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params, microbatch_stats=stats)
+            return optax.apply_updates(params, updates), opt_state
+
+        with jax.set_mesh(mesh):
+            params, opt_state = init_params(), tx.init(init_params())
+            for seed in range(calls):
+                x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch(seed))
+                params, opt_state = step(params, opt_state, x, y)
+        return params, optax_adascale.metrics(opt_state), opt_state
+
+    params, m, state = run(before)
+    updates = 4 if accumulation == 2 else 8  # the ramp's k stays at its lowest rung, 1: nothing is ever applied
+    jax.tree.map(np.testing.assert_array_equal, params, init_params())
+    assert float(m["scale_invariant_steps"]) == 0.0 and int(m["skipped_steps"]) == updates
+    assert int(m["skipped_altered_grads_steps"]) == updates and int(m["skipped_nonfinite_steps"]) == 0
+    with pytest.raises(RuntimeError, match=r"clip_by_global_norm.*Clip inside AdaScale.*optax.chain\(optax.clip"):
+        optax_adascale.done(state, 100)
+
+    params, m, state = run(inside)
+    assert int(m["skipped_steps"]) == 0 and float(m["scale_invariant_steps"]) > 0
+    assert not optax_adascale.done(state, 1e6)
+    assert not jax.tree.all(jax.tree.map(np.array_equal, params, init_params()))
+
+
+@pytest.mark.parametrize("placement", ["Auto, placed", "Auto, numpy", "Explicit"])
+def test_a_batch_that_does_not_split_names_the_batch_and_the_sizes(placement):
+    """Issue 40 item 7: 36 rows on 4 data shards × 2 micro-batches. On an Auto mesh the error said no argument is
+    sharded over data and asked to name the axes; it names the batch's arguments and the sizes now."""
+    kind = jax.sharding.AxisType.Explicit if placement == "Explicit" else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,), devices=jax.devices()[:4])
+    x, y = batch()
+    x, y = x[:36], y[:36]
+    if placement != "Auto, numpy":
+        x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    fn = jax.jit(optax_adascale.value_and_grad(loss_fn, data_axes="data", num_microbatches=2))
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match=r"x has 36 rows, y has 36 rows.*4 × 2 = 8 .*multiple of 8"),
+    ):
+        fn(init_params(), x, y)
+
+
 # --------------------------------------------------------------------------- a silent S = 1
 
 AUTO = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
@@ -163,10 +223,33 @@ def test_a_single_device_step_does_not_warn():
     _no_warning(lambda: _forgetful_step(tx)(init_params(), tx.init(init_params()), *batch()))
 
 
-def test_a_global_batch_step_with_accumulation_does_not_warn():
-    tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=2)  # each call's global-batch gradient is a sample
-    with jax.set_mesh(AUTO):
-        _no_warning(lambda: _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO)))
+@pytest.mark.parametrize("factory", [optax_adascale.adascale_sgd, optax_adascale.adascale_adamw])
+def test_the_identity_warning_names_the_inner_optimizer_not_plain_sgd(factory):
+    """Issue 40 item 2: the warning said "plain SGD on lr(t)" for adascale_adamw too."""
+    tx = factory(0.1)
+    with jax.set_mesh(AUTO), pytest.warns(UserWarning, match=r"identity") as record:
+        _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO))
+    assert all("plain SGD" not in str(w.message) for w in record)
+
+
+@pytest.mark.parametrize("accumulation", [2, optax_adascale.BatchRamp(2, 8)], ids=["k=2", "BatchRamp(2, 8)"])
+def test_a_global_batch_step_with_accumulation_and_no_microbatch_stats_warns_that_s_is_k(accumulation):
+    """Issue 40 item 2: with accumulation each call's global-batch gradient is one sample, so the run trained at
+    S = k (2) instead of one sample per data shard (8 × 2 = 16), with no word."""
+    tx = optax_adascale.adascale_adamw(0.1, accumulation_steps=accumulation)
+    with jax.set_mesh(AUTO), pytest.warns(UserWarning, match=r"no microbatch_stats.*8 devices.*n = S = k.*8 × k"):
+        _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO))
+
+
+def test_a_ramp_from_one_microbatch_without_microbatch_stats_names_the_statistics_first():
+    """Issue 40 item 2: BatchRamp(1, 8) without microbatch_stats in a jit step over 8 devices said "Set
+    min_microbatches >= 2" first; following it trains at S = k. The missing statistics come first now."""
+    tx = optax_adascale.adascale_adamw(0.1, accumulation_steps=optax_adascale.BatchRamp(1, 8))
+    with (
+        jax.set_mesh(AUTO),
+        pytest.raises(ValueError, match=r"^update got no microbatch_stats.*8 devices.*microbatch_stats=stats"),
+    ):
+        _forgetful_step(tx)(init_params(), tx.init(init_params()), *_sharded_batch(AUTO))
 
 
 @pytest.mark.parametrize("front_door", ["vmap", "pmap", "shard_map"])
