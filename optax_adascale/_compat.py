@@ -425,6 +425,14 @@ def conv_batch(eqn: Any) -> tuple[int, int, int]:
     return dn.lhs_spec[0], dn.out_spec[0], eqn.params.get("batch_group_count", 1)
 
 
+def binds_on_reduced(name: str) -> bool:
+    """Whether JAX's sharding rule for the view ``name`` takes an operand typed ``reduced``: the reshape rule of JAX
+    0.10 and 0.11 iterates its operand's ``PartitionSpec``, which refuses one with reduced axes ("Using *pspec is
+    dangerous"); from 0.12 it reads ``spec.partitions``. Where it does not, the interpreter applies the view per copy
+    (``_local``), as JAX's types imply."""
+    return name != "reshape" or jax.__version_info__ >= (0, 12)
+
+
 def cast_axes(eqn: Any) -> tuple[str, ...]:
     """The mesh axes a ``pvary`` makes its operand vary over."""
     return tuple(eqn.params["axes"])

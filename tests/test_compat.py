@@ -326,3 +326,20 @@ def test_cast_axes_are_the_axes_pvary_makes_a_value_vary_over():
 def test_primitive_finds_what_jax_binds_by_name(name):
     assert _compat.primitive(name).name == name
     assert _compat.primitive("no_such_primitive") is None
+
+
+def test_binds_on_reduced_says_whether_jaxs_reshape_takes_an_operand_typed_reduced():
+    # A tensor-parallel bias (split over model, its copy reduced over data) reshaped to a row, as Flax NNX's Linear.
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+
+    def row(b):
+        return jnp.reshape(jax.reshard(b, P("model", reduced={"data"})), (1, -1))
+
+    with jax.set_mesh(mesh):
+        b = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("model")))
+        if _compat.binds_on_reduced("reshape"):
+            assert jax.jit(row).trace(b).jaxpr is not None
+        else:
+            with pytest.raises(ValueError, match="non-empty unreduced/reduced"):
+                jax.jit(row).trace(b)
+    assert _compat.binds_on_reduced("transpose")

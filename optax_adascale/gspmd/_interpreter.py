@@ -144,7 +144,7 @@ class Interpreter:
         rows = any(self.data & _layout.axes_of(x) for x, c in zip(invals, copies, strict=True) if not c)
         if rows and self.layout.extra:
             invals = self.widened(invals)
-        if kind in (Kind.VIEW, Kind.BROADCAST, Kind.SUM) and not rows:
+        if kind in (Kind.VIEW, Kind.BROADCAST, Kind.SUM) and not rows and _compat.binds_on_reduced(eqn.primitive.name):
             return self.bind(eqn, invals)
         if kind is Kind.CONTRACTION and rows:
             return self.bind(eqn, invals, _auto.contraction_params(eqn, invals) if self.convert else None)

@@ -515,6 +515,21 @@ def conv() -> Pattern:
     )
 
 
+def reshaped_bias() -> Pattern:
+    """A bias reshaped to a row before it is added, as Flax NNX's ``Linear`` writes it
+    (``jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))``): a view of a parameter's copy alone (JAX 0.10-0.11 reshape
+    rule refuses an operand typed ``reduced``; CI once failed on it through ``examples/gspmd_lm.py``)."""
+    rng = _rng(12)
+    params = _mlp_params(rng, b1=rng.normal(size=(H,)) / 4)
+
+    def apply(p, x, y):
+        h = mm("bd,dh->bh", x, p["w1"], P("data", None)) + jnp.reshape(p["b1"], (1, -1))
+        return mm("bh,hc->bc", jnp.tanh(h), p["w2"], P("data", None))
+
+    bias = {"replicated": P(), "TP": P("model"), "FSDP": P()}
+    return Pattern(params, _with(LAYOUTS_MLP, b1=bias.get), _classify(12), apply, lambda out, p, x, y: _xent(out, y))
+
+
 def _unit(v):
     return v / jnp.sqrt(jnp.sum(v * v) + 1e-12)
 

@@ -102,5 +102,10 @@ def test_a_convolution_runs_its_vjp_on_each_devices_rows():
 
 
 @pytest.mark.parametrize("layout", ["replicated", "TP", "FSDP"])
+def test_a_bias_reshaped_to_a_row_before_it_is_added(layout):
+    check(patterns.reshaped_bias(), layout)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "TP", "FSDP"])
 def test_a_while_loop_closing_over_a_parameter_and_a_bound(layout):
     check(patterns.spectral_norm(), layout)
