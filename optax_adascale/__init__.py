@@ -12,6 +12,7 @@ from optax_adascale._factories import adascale
 from optax_adascale._placement import replicate_buffers, state_axes, state_partition_specs, transfer_state
 from optax_adascale._state import batch_plan, done, get_adascale_state, metrics, scale_invariant_steps
 from optax_adascale.core._adascale import AdaScaleState
+from optax_adascale.core._clock import scale_by_adam, trace
 from optax_adascale.core._estimator import Estimator
 from optax_adascale.core._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
 from optax_adascale.core._ramp import BatchRamp, RampInputs, RampState
@@ -55,10 +56,12 @@ __all__ = (
     "metrics",
     "noise_scale_monitor",
     "replicate_buffers",
+    "scale_by_adam",
     "scale_invariant_steps",
     "scaling_rules",
     "state_axes",
     "state_partition_specs",
+    "trace",
     "transfer_state",
     "value_and_grad",
 )

@@ -32,14 +32,18 @@ def _decayed_weights(weight_decay: Any) -> optax.GradientTransformation:
 
 TAU_CLOCK = "tau"
 UPDATE_CLOCK = "update"
-DEFAULT_CLOCK = UPDATE_CLOCK
+# Each alias's default clock, from benchmarks/scale_quality: AdamW's τ clock (√r·lr) kept every cell of the study
+# within noise where the update clock over-credited; SGD's τ-clock momentum removed the over-credit on three tasks
+# but lost quality on the byte LM (2× its tuned rate, and S = 32 in benchmarks/ramp), so SGD keeps the update clock.
+DEFAULT_CLOCK = {"sgd": UPDATE_CLOCK, "adamw": TAU_CLOCK}
 
 
-def _resolve_clock(clock: str | None, estimator: Any) -> str:
+def _resolve_clock(clock: str | None, estimator: Any, default: str) -> str:
     """``clock``: ``"tau"`` (the moment averages count base-batch steps, ``core/_clock``) or ``"update"`` (the
-    paper's and FairScale's: they decay per update); ``None``: the default, ``"update"`` with FairScale's estimator."""
+    paper's and FairScale's: they decay per update); ``None``: the alias's default, ``"update"`` with FairScale's
+    estimator."""
     if clock is None:
-        return UPDATE_CLOCK if isinstance(estimator, str) and estimator == "fairscale" else DEFAULT_CLOCK
+        return UPDATE_CLOCK if isinstance(estimator, str) and estimator == "fairscale" else default
     _checks.check_choice("clock", clock, (TAU_CLOCK, UPDATE_CLOCK))
     return clock
 
@@ -54,7 +58,6 @@ def adascale_sgd(
     accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
-    clock: str | None = None,
     **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around SGD with PyTorch's semantics (FairScale's ``AdaScale(SGD(...))``).
@@ -66,6 +69,14 @@ def adascale_sgd(
     optax.trace(μ))``: SGD's keywords, the four AdaScale options most users set,
     and any other keyword of :func:`adascale` (``param_labels``,
     ``shard_optimizer_state``, ``delayed_gain``, ``param_specs``).
+    ``clock="tau"`` runs the momentum on the τ clock instead
+    (:func:`optax_adascale.trace`): an update worth ``r`` base-batch steps
+    decays the buffer by ``μ^r`` and adds ``d`` with the weight
+    ``(1 − μ^r)/(1 − μ)`` of ``r`` base steps. It removes the paper's
+    over-credit at large ``S`` where steps are far from the stability limit,
+    and loses quality near it (``benchmarks/scale_quality``;
+    ``docs/noise_scale.md``, "What the gain models"), so the default stays the
+    paper's and FairScale's ``clock="update"``.
     ``optax.inject_hyperparams(adascale_sgd)(learning_rate=..., ...)`` needs no
     ``static_args`` (a learning-rate *schedule* does: ``static_args=("learning_rate",)``,
     so that it runs on ``τ``; ``accumulation_steps > 1`` too).
@@ -79,10 +90,15 @@ def adascale_sgd(
       accumulation_steps: as in :func:`adascale`.
       scale: as in :func:`adascale`.
       estimator: as in :func:`adascale`.
-      **options: any other keyword of :func:`adascale`.
+      **options: any other keyword of :func:`adascale`, and ``clock``:
+        ``"update"`` (the default: the momentum decays per update, the paper's
+        and FairScale's arithmetic) or ``"tau"`` (it counts base-batch steps).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+      ValueError: ``clock`` other than ``"tau"``, ``"update"`` or ``None``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -92,8 +108,10 @@ def adascale_sgd(
       >>> state = tx.init(params)
       >>> _, state = tx.update(jnp.array([1.0, 0.0]), state, params)
       >>> updates, state = tx.update(jnp.array([0.0, 1.0]), state, params)
-      >>> updates, optax_adascale.metrics(state)["gain"]
-      (Array([-0.1, -0.1], dtype=float32), Array(2., dtype=float32))
+      >>> optax_adascale.metrics(state)["gain"]  # orthogonal samples: the gain is S = 2
+      Array(2., dtype=float32)
+      >>> print(updates.round(6))  # the first momentum step is ḡ = (0.5, 0.5), times 2 · 0.1
+      [-0.1 -0.1]
 
     References:
       Johnson, Agrawal, Gu, Guestrin, `AdaScale SGD
@@ -104,8 +122,10 @@ def adascale_sgd(
     _checks.check_number("momentum", momentum, low=0.0)
     _checks.check_number("weight_decay", weight_decay, low=0.0)
     parts = [_decayed_weights(weight_decay)]
+    options = _options.unwrap(options, "options")
+    clock = _resolve_clock(options.pop("clock", None), estimator, DEFAULT_CLOCK["sgd"])
     if momentum is not None:
-        trace = _clock.trace if _resolve_clock(clock, estimator) == TAU_CLOCK else _keeps_state.trace
+        trace = _clock.trace if clock == TAU_CLOCK else _keeps_state.trace
         parts.append(trace(decay=momentum, nesterov=nesterov))
     return adascale(
         _keeps_state.keeps_state(optax.chain(*parts)),
@@ -114,7 +134,7 @@ def adascale_sgd(
         accumulation_steps=accumulation_steps,
         scale=scale,
         estimator=estimator,
-        **_options.unwrap(options, "options"),
+        **options,
     )
 
 
@@ -133,27 +153,26 @@ def adascale_adamw(
     accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
-    clock: str | None = None,
     **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around AdamW (experimental): ``optax.adamw``'s keywords, the gain from the raw gradients.
 
-    ``inner = optax.chain(optax.scale_by_adam(b1, b2, eps, eps_root, mu_dtype,
+    ``inner = optax.chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype,
     nesterov=nesterov), optax.add_decayed_weights(weight_decay, mask))`` and the
-    step is ``−r_t·lr(⌊τ_t⌋)·inner(ḡ)``: the gain multiplies the whole AdamW
-    step, decoupled weight decay included, so the decay per base-batch step is
-    the S = 1 schedule's. The gain's statistics are the raw gradients' (rule
-    (a) of ``benchmarks/adam.py``): on a byte-level LM and on MNIST-1D, with a
-    warm-up + cosine schedule tuned once at S = 1, it kept S = 1 quality at
-    S = 4 and 16 (3 seeds) where square-root and linear-with-warm-up scaling
-    of AdamW did not, and came ahead of AdaptDL's ``gain^½`` and of
-    preconditioned statistics. Experimental: two small tasks; see the README's
-    "Adam" section. With ``accumulation_steps=BatchRamp(...)`` it ramps as SGD
-    does (``benchmarks/ramp``: its best result was AdamW's); there a step at
-    S = 32 was worth more than its gain claimed (0.19 nats/byte lower at equal
-    ``τ`` than S = 2, against 0.06 for SGD): the raw gain is conservative for
-    AdamW, so ``τ`` runs slow at a large ``S``, never fast. At S = 1 it is ``optax.adamw`` (bit for bit; with
-    ``nesterov=True`` to float32 rounding, ~2e-7 after 200 steps).
+    step is ``−r_t·lr(⌊τ_t⌋)·inner(ḡ)``. On the τ clock (``clock="tau"``, the
+    default since 0.4; :func:`optax_adascale.scale_by_adam`) an update worth
+    ``r`` base-batch steps averages with ``b1^r`` and ``b2^r`` and Adam's
+    direction is scaled by ``r^{−½}``: the Adam step is ``√r·lr`` (Adam already
+    divides by the smaller noise of an ``S``-times larger batch, which makes
+    its direction ``√r`` times longer per unit of progress), while the
+    decoupled weight decay keeps ``r·lr·wd``, the small batch's decay per base
+    step. ``clock="update"`` is 0.3's rule: the gain multiplies the whole AdamW
+    step (``r·lr``) with Adam's per-update averages. The gain's statistics are
+    the raw gradients' (``benchmarks/adam``). Experimental: small tasks; see
+    ``benchmarks/scale_quality`` (S up to 64, three learning rates, against
+    plain AdamW with the same examples) and ``benchmarks/ramp``. At S = 1 it is
+    ``optax.adamw`` (bit for bit, on either clock; with ``nesterov=True`` to
+    float32 rounding, ~2e-7 after 200 steps).
 
     Args:
       learning_rate: float or schedule of the base-batch step.
@@ -169,10 +188,16 @@ def adascale_adamw(
       accumulation_steps: as in :func:`adascale`.
       scale: as in :func:`adascale`.
       estimator: as in :func:`adascale`.
-      **options: any other keyword of :func:`adascale`.
+      **options: any other keyword of :func:`adascale`, and ``clock``: ``"tau"``
+        (Adam's averages count base-batch steps and the step is ``√r·lr``),
+        ``"update"`` (per update, the step ``r·lr``), or ``None``: ``"tau"``,
+        and ``"update"`` with ``estimator="fairscale"``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+      ValueError: ``clock`` other than ``"tau"``, ``"update"`` or ``None``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax_adascale
@@ -180,12 +205,14 @@ def adascale_adamw(
       >>> params = jnp.zeros(2)
       >>> step = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i")
       >>> updates, state = step(jnp.eye(2), tx.init(params), params)  # orthogonal samples: gain 2
-      >>> optax_adascale.metrics(state)["gain"]  # the step: −2 · 1e-3 · ḡ/(|ḡ| + ε) per coordinate
+      >>> optax_adascale.metrics(state)["gain"]  # the step: −√2 · 1e-3 · ḡ/(|ḡ| + ε) per coordinate
       Array(2., dtype=float32)
       >>> print(updates.round(6))
-      [-0.002 -0.002]
+      [-0.001414 -0.001414]
     """
-    adam = _clock.scale_by_adam if _resolve_clock(clock, estimator) == TAU_CLOCK else _keeps_state.scale_by_adam
+    options = _options.unwrap(options, "options")
+    clock = _resolve_clock(options.pop("clock", None), estimator, DEFAULT_CLOCK["adamw"])
+    adam = _clock.scale_by_adam if clock == TAU_CLOCK else _keeps_state.scale_by_adam
     inner = _keeps_state.keeps_state(
         optax.chain(
             adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
@@ -199,5 +226,5 @@ def adascale_adamw(
         accumulation_steps=accumulation_steps,
         scale=scale,
         estimator=estimator,
-        **_options.unwrap(options, "options"),
+        **options,
     )

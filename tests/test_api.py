@@ -64,6 +64,23 @@ def test_aliases_take_their_optimizers_keywords_plus_four_adascale_options(facto
     assert isinstance(tx, optax.GradientTransformationExtraArgs)
     with pytest.raises(TypeError, match="unexpected keyword argument 'momentun'"):
         factory(0.1, momentun=0.9)
+    # The clock rides in **options too (the pinned signature is unchanged), also through inject_hyperparams.
+    # Two orthogonal micro-batches (gain 2, ḡ = (0.5, 0.5)): the τ clock's buffer holds two base steps (1 + 0.9)·ḡ,
+    # the update clock's one, so SGD's step is 2·0.1·1.9·0.5 = 0.19 against 2·0.1·0.5 = 0.1; Adam's is √2·0.1
+    # against 2·0.1 (its direction is ±1 per coordinate).
+    sgd = factory is optax_adascale.adascale_sgd
+    expected = {"tau": 0.19 if sgd else 0.1 * 2**0.5, "update": 0.1 if sgd else 0.2}
+    for clock, step in expected.items():
+        keywords = dict(momentum=0.9, weight_decay=0.0) if sgd else dict(weight_decay=0.0)
+        injected = optax.inject_hyperparams(factory, static_args=("accumulation_steps",))(
+            learning_rate=0.1, accumulation_steps=2, clock=clock, **keywords
+        )
+        state = injected.init(jnp.zeros(2))
+        _, state = injected.update(jnp.array([1.0, 0.0]), state, jnp.zeros(2))
+        updates, _ = injected.update(jnp.array([0.0, 1.0]), state, jnp.zeros(2))
+        assert jnp.allclose(updates, -step, rtol=1e-5), (clock, updates)
+    with pytest.raises(ValueError, match="clock"):
+        factory(0.1, clock="steps")
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,25 @@ def _powers(decay: Any, gain: Array) -> tuple[Array, Array]:
     return jnp.exp(x), -jnp.expm1(x)
 
 
+def _wide(*leaves: Array, least: Any = jnp.float32) -> Any:
+    """The dtype a leaf's arithmetic runs in: the leaves' own promoted together and widened to ``least`` (the
+    gain's powers are float32: a bfloat16 trace mixes in float32 and is stored back in bfloat16; complex stays
+    complex). Promoted under the standard rules, which the user's ``jax_numpy_dtype_promotion="strict"`` would
+    refuse between float32 and bfloat16 (what we cast back to is the user's dtype, so nothing is promoted for them).
+    """
+    with jax.numpy_dtype_promotion("standard"):
+        out = jnp.dtype(least) if least is not None else leaves[0].dtype
+        for leaf in leaves:
+            out = jnp.promote_types(out, leaf.dtype)
+    return out
+
+
+def _mix(a: Array, x: Array, b: Array, y: Array, dtype: Any) -> Array:
+    """``a·x + b·y`` in :func:`_wide`'s dtype, cast to ``dtype``."""
+    wide = _wide(x, y)
+    return (a * x.astype(wide) + b * y.astype(wide)).astype(dtype)
+
+
 def trace(decay: float, nesterov: bool = False) -> optax.GradientTransformationExtraArgs:
     r"""``optax.trace`` on the τ clock: an update worth ``r`` base-batch steps decays the trace by ``decay^r``.
 
@@ -89,7 +108,7 @@ def trace(decay: float, nesterov: bool = False) -> optax.GradientTransformationE
         keep = jnp.where(jnp.asarray(gain) == 1, jnp.float32(decay), keep)
 
         def new(g, t):
-            return (weight * g + keep * t).astype(jnp.result_type(g, t))
+            return _mix(weight, g, keep, t, _wide(g, t, least=None))
 
         new_trace = _keeps_state.kept(
             extra_args.get(_keeps_state.TAKEN), jax.tree.map(new, updates, state.trace), state.trace
@@ -146,19 +165,27 @@ def scale_by_adam(
         keep1, fresh1 = _powers(b1, gain)
         keep2, fresh2 = _powers(b2, gain)
         taken = extra_args.get(_keeps_state.TAKEN)
-        mu = _keeps_state.kept(taken, jax.tree.map(lambda g, m: fresh1 * g + keep1 * m, updates, state.mu), state.mu)
-        nu = jax.tree.map(lambda g, v: fresh2 * jnp.square(jnp.abs(g)) + keep2 * v, updates, state.nu)
+        mu = jax.tree.map(lambda g, m: _mix(fresh1, g, keep1, m, _wide(g, m, least=None)), updates, state.mu)
+        mu = _keeps_state.kept(taken, mu, state.mu)
+        nu = jax.tree.map(
+            lambda g, v: _mix(fresh2, jnp.square(jnp.abs(g)), keep2, v, _wide(g, v, least=None)),
+            updates,
+            state.nu,
+        )
         nu = _keeps_state.kept(taken, nu, state.nu)
         debias1 = -jnp.expm1(tau * jnp.log(jnp.float32(b1)))
         debias2 = -jnp.expm1(tau * jnp.log(jnp.float32(b2)))
         if nesterov:
             after = -jnp.expm1((tau + gain) * jnp.log(jnp.float32(b1)))
-            mu_hat = jax.tree.map(lambda m, g: keep1 * m / after + fresh1 * g / debias1, mu, updates)
+            mu_hat = jax.tree.map(lambda m, g: _mix(keep1 / after, m, fresh1 / debias1, g, _wide(m, g)), mu, updates)
         else:
-            mu_hat = jax.tree.map(lambda m: m / debias1, mu)
+            mu_hat = jax.tree.map(lambda m: m.astype(_wide(m)) / debias1, mu)
         scale = jax.lax.rsqrt(gain)
         out = jax.tree.map(
-            lambda m, v: (scale * m / (jnp.sqrt(v / debias2 + eps_root) + eps)).astype(m.dtype), mu_hat, nu
+            lambda m, v, g: (scale * m / (jnp.sqrt(v.astype(_wide(v)) / debias2 + eps_root) + eps)).astype(g.dtype),
+            mu_hat,
+            nu,
+            updates,
         )
         new_state = optax.ScaleByAdamState(
             count=_keeps_state.kept(taken, optax.safe_increment(state.count), state.count),

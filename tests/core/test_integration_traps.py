@@ -77,21 +77,25 @@ def test_inject_hyperparams_with_static_learning_rate_runs_the_schedule_on_tau()
 
 # inner(ḡ) per coordinate for N orthogonal unit samples (ḡ = 1/N): SGD's ḡ itself, Adam's first step ḡ/(|ḡ| + ε).
 DIRECTIONS = {"adascale_sgd": 1.0 / N, "adascale_adamw": (1.0 / N) / (1.0 / N + 1e-8)}
+# The step per unit of lr·inner(ḡ) at gain N: SGD's r = N; Adam's √N on the τ clock (core/_clock.py's
+# scale_by_adam: its direction is already √r longer per unit of progress at an r-times smaller noise).
+GAIN_STEP = {"adascale_sgd": N, "adascale_adamw": N**0.5}
 
 
 @pytest.mark.parametrize("name", DIRECTIONS)
 def test_inject_hyperparams_trains_with_no_static_args_and_the_injected_learning_rate_sets_the_step(name):
     # optax.inject_hyperparams makes every number an array of its state (accumulation_steps too); under jit the
-    # factory gets them traced. Orthogonal samples: gain N, so the step is −N·lr·inner(ḡ), for the lr set in the state.
+    # factory gets them traced. Orthogonal samples: gain N, so the step is −GAIN_STEP·lr·inner(ḡ), for the lr set in
+    # the state.
     tx = optax.inject_hyperparams(getattr(optax_adascale, name))(learning_rate=0.5, axis_name="i")
     params = jnp.zeros(N)
     state = tx.init(params)
     step = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), out_axes=(None, None), axis_name="i"))
     updates, state = step(jnp.eye(N), state, params)
-    np.testing.assert_allclose(updates, np.full(N, -N * 0.5 * DIRECTIONS[name]), rtol=1e-6)
+    np.testing.assert_allclose(updates, np.full(N, -GAIN_STEP[name] * 0.5 * DIRECTIONS[name]), rtol=1e-6)
     state.hyperparams["learning_rate"] = jnp.asarray(0.125)
     updates, state = step(jnp.eye(N), state, params)
-    np.testing.assert_allclose(updates, np.full(N, -N * 0.125 * DIRECTIONS[name]), rtol=1e-5)  # Adam: 1 - 0.9², ...
+    np.testing.assert_allclose(updates, np.full(N, -GAIN_STEP[name] * 0.125 * DIRECTIONS[name]), rtol=1e-5)
     # Every reader finds AdaScale's state inside inject_hyperparams'.
     assert int(optax_adascale.get_adascale_state(state).count) == 2
     m = optax_adascale.metrics(state)

@@ -280,17 +280,21 @@ def test_adascale_adamw_at_scale_one_is_optax_adamw():
         params = optax.apply_updates(params, u_ref)
 
 
-def test_adascale_adamw_scales_the_whole_adamw_step_by_the_gain():
-    # Two orthogonal samples: gain 2. First Adam step: m̂ = ḡ, v̂ = ḡ², direction ḡ/(|ḡ| + ε); decoupled
-    # decay wd·p joins it and the gain multiplies both (the decay per base-batch step stays the S = 1 one).
-    lr, wd, eps = 1e-2, 0.1, 1e-8
+@pytest.mark.parametrize("clock", ["tau", "update"])
+def test_adascale_adamw_scales_adams_direction_by_root_gain_and_the_decay_by_the_gain(clock):
+    # Two orthogonal samples: gain r = 2. First Adam step: m̂ = ḡ, v̂ = ḡ², direction ḡ/(|ḡ| + ε). On the τ clock
+    # the direction is scaled by r^(−½), so the Adam step is √r·lr (core/_clock.py), and the decoupled decay wd·p
+    # joins it at the full r (the decay per base-batch step stays the S = 1 one); on the update clock (0.3's rule)
+    # the gain multiplies both.
+    lr, wd, eps, r = 1e-2, 0.1, 1e-8, 2.0
     params = jnp.array([2.0, -4.0])
-    tx = optax_adascale.adascale_adamw(lr, weight_decay=wd, eps=eps, axis_name="i")
+    tx = optax_adascale.adascale_adamw(lr, weight_decay=wd, eps=eps, axis_name="i", clock=clock)
     updates, state = replica_update(tx)(jnp.array([[1.0, 0.0], [0.0, 1.0]]), tx.init(params), params)
     mean = np.array([0.5, 0.5])
-    expected = -2.0 * lr * (mean / (np.abs(mean) + eps) + wd * np.array([2.0, -4.0]))
+    direction = mean / (np.abs(mean) + eps) * (r**-0.5 if clock == "tau" else 1.0)
+    expected = -r * lr * (direction + wd * np.array([2.0, -4.0]))
     np.testing.assert_allclose(updates, expected, rtol=1e-4)  # Adam's 1 − β₂ᵗ in float32: 2e-5 relative
-    assert float(optax_adascale.metrics(state)["gain"]) == pytest.approx(2.0)
+    assert float(optax_adascale.metrics(state)["gain"]) == pytest.approx(r)
 
 
 R_PARAMS = jnp.zeros(3)
