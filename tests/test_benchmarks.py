@@ -296,8 +296,8 @@ def test_ramp_smoke_writes_every_arm_the_goals_and_the_proxy(tmp_path):
     text = results.read_text()
     section = text[text.index("<!-- ramp:start -->") : text.index("<!-- ramp:end -->")]
     for arm in ("fixed-min", "fixed-max", "linear-0.25", "linear-1", "seesaw", "measured-0.6"):
-        assert len(_table_rows(section, f"`{arm}`")) == 3, arm  # a row in each task's table
-    assert section.count("fewer updates with ≤ 10 % more examples") == 3 * 4  # the goals, per task and efficiency
+        assert len(_table_rows(section, f"`{arm}`")) == 4, arm  # a row in each task's table
+    assert section.count("fewer updates with ≤ 10 % more examples") == 4 * 4  # the goals, per task and efficiency
     assert "B_crit (measured)" in section and "(**the package default**)" in section
     for name in ("ramp_curves.png", "ramp_controller.png", "ramp_proxy.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 0 and f"plots/{name}" in section
@@ -324,6 +324,45 @@ def test_the_ramp_study_names_the_package_default():
 
     assert results.DEFAULT == f"measured-{optax_adascale.BatchRamp(1, 2).efficiency:g}"
     assert results.DEFAULT in results.MEASURED
+
+
+# --------------------------------------------------------------------------- scale quality
+
+
+@pytest.mark.study_smoke
+def test_scale_quality_smoke_writes_the_sweep_the_adam_table_and_the_diagnosis(tmp_path):
+    results = tmp_path / "README.md"
+    run_study("scale_quality", "--smoke", "--cache", tmp_path / "cells", "--results", results)
+    text = results.read_text()
+    section = text[text.index("<!-- scale-quality:start -->") : text.index("<!-- scale-quality:end -->")]
+    for task in ("quadratic", "lm_adamw"):  # a summary row per task and method, S = 4 against S = 2
+        assert sorted(r[1] for r in _table_rows(section, task) if len(r) == 6) == ["`paper`", "`tau`"], task
+    adam = [r for r in _table_rows(section, "lm_adamw") if len(r) == 7]  # AdaScale-AdamW against plain AdamW
+    assert sorted(r[2] for r in adam) == ["`paper`", "`tau`"] and all(math.isfinite(float(r[6])) for r in adam)
+    assert (tmp_path / "plots" / "sweep.png").stat().st_size > 0
+
+
+# Not study_smoke: cheap (nothing runs), on every CI JAX
+def test_the_committed_scale_quality_report_is_rebuilt_from_the_committed_cells(tmp_path):
+    committed = (ROOT / "benchmarks" / "scale_quality" / "README.md").read_text()
+    run_study("scale_quality", "--report", "--results", tmp_path / "README.md")
+    rebuilt = (tmp_path / "README.md").read_text()
+
+    def tables(text: str) -> str:  # the generated section, less the hand-written reading, command and timing
+        section = text[text.index("<!-- scale-quality:start -->") : text.index("<!-- scale-quality:end -->")]
+        reading = re.compile(r"<!-- scale-quality-reading:start -->.*<!-- scale-quality-reading:end -->", re.S)
+        return re.sub(r"Command: `[^`]*` \([^)]*\)", "", reading.sub("", section))
+
+    assert "| teacher | `tau` |" in tables(committed) and tables(rebuilt) == tables(committed)
+
+
+def test_the_scale_quality_study_compares_each_aliass_default_clock():
+    from benchmarks.scale_quality import engine
+    from optax_adascale import _alias
+
+    spelled = {"update": "paper", "tau": "tau"}  # the study's method for each clock
+    for clock in _alias.DEFAULT_CLOCK.values():
+        assert f'clock="{clock}"' in engine.METHODS[spelled[clock]]
 
 
 # --------------------------------------------------------------------------- many small leaves

@@ -27,7 +27,12 @@ from benchmarks.ramp import proxy, ramp, results  # noqa: E402
 from benchmarks.ramp.tasks import make_tasks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-TUNE_RATES = {"lm_adamw": (1e-3, 3e-3), "lm_sgd": (0.01, 0.03, 0.1), "mnist1d": (0.01, 0.03, 0.1)}
+TUNE_RATES = {
+    "lm_adamw": (1e-3, 3e-3),
+    "lm_sgd": (0.01, 0.03, 0.1),
+    "mnist1d": (0.01, 0.03, 0.1),
+    "teacher": (0.005, 0.01, 0.02),
+}
 
 
 def proxy_text(tasks, cache, only_cached: bool, checkpoints, scales, plot_dir: Path, log) -> tuple[str, list[Path]]:
@@ -93,9 +98,12 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny models, one seed, short runs")
     parser.add_argument("--cache", type=Path, default=None, help="cells (default benchmarks/ramp/cells; smoke: none)")
     parser.add_argument("--results", type=Path, default=None, help="results file (default benchmarks/ramp/README.md)")
-    parser.add_argument("--tasks", nargs="+", default=None, choices=("lm_adamw", "lm_sgd", "mnist1d"))
+    parser.add_argument("--tasks", nargs="+", default=None, choices=("lm_adamw", "lm_sgd", "mnist1d", "teacher"))
     parser.add_argument("--arms", nargs="+", default=None, choices=ramp.ARMS)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--clock", choices=("tau", "update"), default="tau", help="the aliases' clock= (cells_update_clock/: update)"
+    )
     parser.add_argument("--no-proxy", action="store_true", help="skip the proxy check")
     parser.add_argument("--tune", action="store_true", help="the baseline arm's learning-rate sweep (seed 0)")
     parser.add_argument("--no-report", action="store_true", help="run cells only")
@@ -115,7 +123,7 @@ def main(argv=None):
         checkpoints, scales = proxy.CHECKPOINTS, proxy.SCALES
     cache = cell_cache.CellCache(cache_dir, ramp.cell_name)
     all_tasks = make_tasks(smoke=args.smoke, cache_dir=HERE / ".cache")  # MNIST-1D, generated once
-    tasks = [all_tasks[n] for n in (args.tasks or all_tasks)]
+    tasks = [dataclasses.replace(all_tasks[n], clock=args.clock) for n in (args.tasks or all_tasks)]
     arms = tuple(args.arms) if args.arms else ramp.ARMS
 
     if args.tune:

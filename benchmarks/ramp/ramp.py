@@ -101,7 +101,7 @@ def build(task: Task, fam: str, parameter=None) -> optax.GradientTransformationE
         )
     else:
         raise ValueError(f"unknown family {fam!r}")
-    common = dict(axis_name=AXIS, accumulation_steps=steps)
+    common = dict(axis_name=AXIS, accumulation_steps=steps, clock=task.clock)
     if task.optimizer == "adamw":
         return optax_adascale.adascale_adamw(task.schedule(), b1=0.9, b2=0.99, weight_decay=task.weight_decay, **common)
     return optax_adascale.adascale_sgd(task.schedule(), momentum=0.9, weight_decay=task.weight_decay, **common)

@@ -305,11 +305,12 @@ def write_report(path, tasks, results, seeds, plot_paths, command, wall_s, *, pr
     for task in tasks:
         base = _recs(results, task, "fixed-min", seeds)
         growth = [noise_growth(r, task.total_steps) for r in base] if base else []
+        model = task.config().get("model") or task.config().get("student", task.title)  # the teacher: its student
         lines += [
             f"### {task.title}",
             "",
             f"Base batch {task.batch_size} {'windows' if task.name.startswith('lm') else 'sequences'}, "
-            f"T = {task.total_steps} base-batch steps, peak lr {task.learning_rate:g}; {task.config()['model']}. "
+            f"T = {task.total_steps} base-batch steps, peak lr {task.learning_rate:g}; {model}. "
             + (
                 "Noise scale of the baseline run (median over τ ∈ [5, 10] % → [85, 90] % of T, base batches): "
                 + ", ".join(f"{a:.1f} → {b:.1f} ({b / a:.0f}×)" for a, b in growth)

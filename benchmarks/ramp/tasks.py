@@ -43,6 +43,7 @@ class Task:
     data: dict
     warmup_fraction: float = 0.05
     info: dict = dataclasses.field(default_factory=dict)
+    clock: str = "tau"  # the momentum's clock (optax_adascale's clock=): "tau" since 0.4, "update" before
 
     def schedule(self) -> optax.Schedule:
         """``lr(τ)``: linear warm-up from 0, cosine decay to 0 at ``T`` (so a Seesaw ramp reaches ``S_max``)."""
@@ -59,6 +60,7 @@ class Task:
             "warmup_fraction": self.warmup_fraction,
             "replicas": REPLICAS,
             "schedule": "warmup_cosine_decay(0 → lr over warmup, → 0 at T)",
+            "clock": self.clock,
             **self.info,
         }
 
@@ -72,10 +74,14 @@ def _layer_norm(x, g, b):
     return (x - mu) * lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
 
 
-def _lm(optimizer: str, *, smoke: bool) -> Task:
-    """Byte-level pre-LN decoder on the standard library's source; base batch ``B`` windows of ``ctx`` bytes."""
-    d, layers, heads, ctx, n_val = (16, 1, 2, 16, 16) if smoke else (64, 2, 4, 64, 256)
-    B, T = (2, 40) if smoke else (4, 2000)
+def _lm(optimizer: str, *, smoke: bool, model: tuple | None = None, batch_total: tuple | None = None) -> Task:
+    """Byte-level pre-LN decoder on the standard library's source; base batch ``B`` windows of ``ctx`` bytes.
+
+    ``model = (d, layers, heads, ctx, validation windows)`` and ``batch_total = (B, T)`` replace the study's sizes
+    (``benchmarks/scale_quality`` runs a smaller model).
+    """
+    d, layers, heads, ctx, n_val = model or ((16, 1, 2, 16, 16) if smoke else (64, 2, 4, 64, 256))
+    B, T = batch_total or ((2, 40) if smoke else (4, 2000))
     text, corpus = datasets.stdlib_source()
     arr = np.frombuffer(text, np.uint8)
     split = int(0.95 * len(arr))
@@ -149,9 +155,12 @@ def _lm(optimizer: str, *, smoke: bool) -> Task:
     )
 
 
-def _mnist1d(*, smoke: bool, cache_dir: Path | None) -> Task:
-    """MNIST-1D (8,000 / 2,000 generated locally), conv5(16)-conv5/2(16)-conv3/2(16)-dense(10), SGD."""
-    ch, B, T, n = (4, 4, 40, 1_000) if smoke else (16, 16, 4000, 10_000)
+def _mnist1d(*, smoke: bool, cache_dir: Path | None, sizes: tuple | None = None) -> Task:
+    """MNIST-1D (8,000 / 2,000 generated locally), conv5(16)-conv5/2(16)-conv3/2(16)-dense(10), SGD.
+
+    ``sizes = (channels, B, T, examples)`` replaces the study's (``benchmarks/scale_quality`` runs smaller ones).
+    """
+    ch, B, T, n = sizes or ((4, 4, 40, 1_000) if smoke else (16, 16, 4000, 10_000))
     arrays = datasets.mnist1d(n, cache_dir)
     data = {
         "x": arrays["x"][..., None],
@@ -209,9 +218,33 @@ def _mnist1d(*, smoke: bool, cache_dir: Path | None) -> Task:
     )
 
 
+def _teacher(*, smoke: bool) -> Task:
+    """``benchmarks/scale_quality``'s teacher–student classifier (labels sampled from the teacher, fresh examples
+    every call, the loss an exact expectation over the teacher's labels), SGD with momentum 0.9."""
+    from benchmarks.scale_quality.tasks import teacher_student  # the scale study's own task, one definition
+
+    t = teacher_student(smoke=smoke)
+    return Task(
+        name="teacher",
+        title="teacher–student classifier, SGD (momentum 0.9)",
+        optimizer="sgd",
+        batch_size=t.batch_size,
+        total_steps=t.total_steps,
+        learning_rate=t.learning_rate,
+        weight_decay=0.0,
+        init=t.init,
+        loss=t.loss,
+        sample=lambda data, key: t.sample(key, REPLICAS),
+        evaluate=lambda params, data: t.evaluate(params),
+        data={},
+        info={k: v for k, v in t.info.items()},
+    )
+
+
 def make_tasks(*, smoke: bool = False, cache_dir: Path | None = None) -> dict[str, Task]:
     return {
         "lm_adamw": _lm("adamw", smoke=smoke),
         "lm_sgd": _lm("sgd", smoke=smoke),
         "mnist1d": _mnist1d(smoke=smoke, cache_dir=cache_dir),
+        "teacher": _teacher(smoke=smoke),
     }
