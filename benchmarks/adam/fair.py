@@ -1,7 +1,8 @@
 """The fair comparison: AdaScale-AdamW against fixed rules given the same examples, and LAMB and LARS.
 
 On the Adam study's two tasks (``tasks.py``), at each ``S`` and seed, AdaScale-AdamW (rule (a),
-``AS-a``, ``optax_adascale.adascale_adamw``) trains until ``τ ≥ T`` and takes ``N_AS`` iterations.
+``AS-a``, 0.3's ``optax_adascale.adascale_adamw``, ``clock="update"`` since 0.4) trains until ``τ ≥ T`` and takes
+``N_AS`` iterations.
 Against it, from the same initialisation on the same stream of batches
 (``benchmarks/large_batch/engine.py``: every rule is ``c(t)·lr(t·T/N)``):
 
