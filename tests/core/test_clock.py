@@ -155,3 +155,21 @@ def test_on_a_quadratic_an_update_at_gain_r_does_the_work_of_r_small_steps_on_th
             tau_error = error
         else:
             assert error > 3 * tau_error, (error, tau_error)
+
+
+@pytest.mark.parametrize("gain", [2, 8, 32])
+def test_the_tau_clocks_stability_limit_is_the_documented_one_and_below_heavy_balls(gain):
+    """``docs/noise_scale.md``: along a curvature λ the τ clock's update at gain ``r`` is stable while
+    ``r·lr·λ·(1 − β^r)/(1 − β) < 2(1 + β^r)`` (its linear map's Jury conditions), heavy-ball's (the update clock)
+    while ``r·lr·λ < 2(1 + β)``: at 0.98× its limit the τ clock decays, at 1.02× it grows, and its limit is the
+    lower one (by 2× at r = 2, 18× at r = 32)."""
+    h = jnp.ones(1)
+    power = BETA**gain
+    tau_limit = 2 * (1 + power) * (1 - BETA) / (gain * (1 - power))  # lr·λ
+    heavy_ball_limit = 2 * (1 + BETA) / gain
+    assert tau_limit < heavy_ball_limit
+    for factor, grows in ((0.98, False), (1.02, True)):
+        xs = _quadratic_run(_clock.trace(BETA), h, jnp.ones(1), factor * tau_limit, gain, 2000)
+        assert (not float(jnp.abs(xs[-1, 0])) < 1.0) == grows, (factor, xs[-1])  # grown: large, inf or nan
+    xs = _quadratic_run(optax.trace(BETA), h, jnp.ones(1), 1.02 * tau_limit, gain, 2000)
+    assert float(jnp.abs(xs[-1, 0])) < 1e-3  # heavy-ball at the τ clock's unstable rate: it converges
