@@ -191,27 +191,17 @@ def value_and_grad(
                 )
             if specs is not None:
                 _layout.check_specs_agree(specs, params)
-            sharded = [
-                i
-                for i, x in enumerate(arrays)
-                if jnp.ndim(x) and set(layout.data) <= set(_layout.spec_axes(_layout.partitions(x)[0]))
-            ]
             if layout.k > 1:  # (k = 1: the shardings themselves need the rows to divide the shards)
+                sharded = [i for i, x in enumerate(arrays) if jnp.ndim(x) and _rows_over(layout, _layout.partitions(x))]
                 _check_rows_split(layout, arrays, arg_names, sharded)
             return _global.run(inner, has_aux, layout, params, inner_args, unroll=unroll, n_state=n_state)
 
-    def with_rows(*args):
+    def with_rows(*args):  # stats.rows: the arrays' first dimensions (static), which a BatchRamp's update holds fixed
         value, grads, stats = fn(*args)
-        return value, grads, _with_rows(stats, call.bind(loss_fn, args)[3])
+        rows = tuple(int(jnp.shape(x)[0]) for x in call.bind(loss_fn, args)[3] if jnp.ndim(x))
+        return value, grads, dataclasses.replace(stats, rows=rows) if isinstance(stats, MicrobatchStats) else stats
 
     return with_rows
-
-
-def _with_rows(stats: Any, arrays: list[Any]) -> Any:
-    """``stats`` with ``rows``: the first dimensions of the arguments' arrays (static), which a :class:`BatchRamp`'s
-    ``update`` holds fixed."""
-    rows = tuple(int(jnp.shape(x)[0]) for x in arrays if jnp.ndim(x))
-    return dataclasses.replace(stats, rows=rows) if isinstance(stats, MicrobatchStats) else stats
 
 
 def _per_replica(loss_fn, call, k, has_aux, mesh, unroll):
@@ -330,7 +320,7 @@ def _batch_specs(layout: Layout, state: Any, arrays: list[Any], given: Any, name
         state_specs = [P()] * len(state_leaves) if state_spec is None else broadcast(state_spec, state)
         per_leaf = state_specs + list(array_specs)
         specs = _layout.specs_like(per_leaf, [*state_leaves, *arrays], layout, "arg_specs")
-        sharded = [i for i, spec in enumerate(specs[len(state_leaves) :]) if _rows_over_data(layout, spec)]
+        sharded = [i for i, spec in enumerate(specs[len(state_leaves) :]) if _rows_over(layout, spec)]
         _check_rows_split(layout, arrays, names, sharded)
         return specs
     is_key = lambda x: jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)  # noqa: E731
@@ -351,13 +341,11 @@ def _batch_specs(layout: Layout, state: Any, arrays: list[Any], given: Any, name
     return [P()] * len(state_leaves) + [P(layout.data_spec) if i in rows else P() for i in range(len(arrays))]
 
 
-def _rows_over_data(layout: Layout, spec: Any) -> bool:
+def _rows_over(layout: Layout, spec: Any) -> bool:  # the first dimension split over every data axis
     return bool(spec) and set(layout.data) <= set(_layout.spec_axes(spec[0]))
 
 
-def _check_rows_split(
-    layout: Layout, arrays: list[Any], names: list[str], batch: list[int], inferred: bool = False
-) -> None:
+def _check_rows_split(layout: Layout, arrays: list[Any], names: list[str], batch: list[int], inferred=False) -> None:
     """Raise naming the batch's arguments and sizes where their rows do not split into ``shards × k`` blocks (data
     shard ``s``'s micro-batch ``j`` is the ``j``-th block of its rows)."""
     bad = [i for i in batch if jnp.shape(arrays[i])[0] % layout.n]
