@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, T // 20), T, 3e-4)
     ramp = optax_adascale.BatchRamp(min_microbatches=1, max_microbatches=args.max_microbatches)
     tx = optax_adascale.adascale_adamw(schedule, b2=0.99, weight_decay=0.1, accumulation_steps=ramp)
-    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data")
+    # An Auto mesh does not record the parameters' layout: say it (replicated, P() for every leaf) with param_specs.
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data", param_specs=P())
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
     @jax.jit
