@@ -173,3 +173,40 @@ def test_the_tau_clocks_stability_limit_is_the_documented_one_and_below_heavy_ba
         assert (not float(jnp.abs(xs[-1, 0])) < 1.0) == grows, (factor, xs[-1])  # grown: large, inf or nan
     xs = _quadratic_run(optax.trace(BETA), h, jnp.ones(1), 1.02 * tau_limit, gain, 2000)
     assert float(jnp.abs(xs[-1, 0])) < 1e-3  # heavy-ball at the τ clock's unstable rate: it converges
+
+
+@pytest.mark.parametrize("rule", ["tau", "paper"])
+def test_on_a_noisy_quadratic_the_expected_loss_of_updates_at_gain_r_is_the_closed_forms(rule):
+    """The noisy quadratic with known ``H`` (``benchmarks/scale_quality/analytic.py``: the second moments of
+    ``(x, m)`` evolve exactly by ``M ← A M Aᵀ + b bᵀ Σ/(B·S)``): the predicted expected loss after each of 60 updates at
+    gain r = 5, S = 8, equals the mean over 4096 sampled runs of the package's inner (the τ clock's trace, or
+    optax's per-update trace: the paper's rule) to the Monte-Carlo error."""
+    from benchmarks.scale_quality import analytic
+
+    h = np.logspace(0.0, -2.0, 8)
+    noise, x0, r, S, a, updates, runs = h.copy(), np.ones(8), 5.0, 8, 0.03, 60, 4096
+    A, b = analytic.transition(rule, r, a, h, BETA)
+    M = np.zeros((8, 2, 2))
+    M[:, 0, 0] = x0**2
+    predicted = []
+    for _ in range(updates):
+        M = np.einsum("dij,djk,dlk->dil", A, M, A) + np.einsum("di,dj->dij", b, b) * (noise / S)[:, None, None]
+        predicted.append(0.5 * float(np.sum(h * M[:, 0, 0])))
+
+    inner = optax.with_extra_args_support(_clock.trace(BETA) if rule == "tau" else optax.trace(BETA))
+    hj, scale = jnp.asarray(h, jnp.float32), jnp.asarray(np.sqrt(noise / S), jnp.float32)
+
+    def one_run(key):
+        def body(carry, k):
+            x, s = carry
+            g = hj * x + scale * jax.random.normal(k, x.shape)
+            d, s = inner.update(g, s, adascale_gain=jnp.float32(r))
+            x = x - r * a * d
+            return (x, s), 0.5 * jnp.sum(hj * x * x)
+
+        x = jnp.asarray(x0, jnp.float32)
+        return jax.lax.scan(body, (x, inner.init(x)), jax.random.split(key, updates))[1]
+
+    measured = jax.jit(jax.vmap(one_run))(jax.random.split(jax.random.key(0), runs))
+    mean, se = np.asarray(measured.mean(0)), np.asarray(measured.std(0)) / np.sqrt(runs)
+    assert np.all(np.abs(mean - np.asarray(predicted)) < 4 * se + 1e-5 * np.asarray(predicted)), (mean, predicted)
