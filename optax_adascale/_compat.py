@@ -425,6 +425,15 @@ def conv_batch(eqn: Any) -> tuple[int, int, int]:
     return dn.lhs_spec[0], dn.out_spec[0], eqn.params.get("batch_group_count", 1)
 
 
+def sharding_type_error() -> type[Exception]:
+    """The exception JAX raises when an operation's sharding types do not allow it (a reshape merging a split
+    dimension on Explicit axes): ``jax._src.core.ShardingTypeError`` on JAX 0.10-0.12; ``TypeError`` where a release
+    lacks the name (its errors are ``TypeError``s of the types)."""
+    from jax._src import core
+
+    return getattr(core, "ShardingTypeError", TypeError)
+
+
 def binds_on_reduced(name: str) -> bool:
     """Whether JAX's sharding rule for the view ``name`` takes an operand typed ``reduced``: the reshape rule of JAX
     0.10 and 0.11 iterates its operand's ``PartitionSpec``, which refuses one with reduced axes ("Using *pspec is

@@ -343,3 +343,11 @@ def test_binds_on_reduced_says_whether_jaxs_reshape_takes_an_operand_typed_reduc
             with pytest.raises(ValueError, match="non-empty unreduced/reduced"):
                 jax.jit(row).trace(b)
     assert _compat.binds_on_reduced("transpose")
+
+
+def test_sharding_type_error_is_what_jax_raises_for_a_reshape_its_explicit_types_refuse():
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P("data")))
+        with pytest.raises(_compat.sharding_type_error(), match="reshape is not supported"):
+            jax.jit(lambda x: x.T.reshape(-1)).trace(x)

@@ -299,9 +299,7 @@ def _converted(loss_fn, has_aux, layout: Layout, mesh, convert, specs, arg_specs
         try:
             params_in, args_in = treedef.unflatten(leaves), tree.unflatten(flat)
             return _global.run(loss_fn, has_aux, layout, params_in, args_in, trace, unroll, n_state)
-        except ValueError:
-            raise
-        except Exception as err:  # noqa: BLE001 - no path chosen: JAX's error as our refusal (an Auto loss on Explicit axes)
+        except _compat.sharding_type_error() as err:  # JAX refuses the loss on Explicit axes: our refusal, the fix
             raise ValueError(_auto_refusal(layout, convert, err)) from err
 
     captured = [closed.consts[i] for i in outer]

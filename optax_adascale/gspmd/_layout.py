@@ -40,24 +40,22 @@ def partitions(x: Any) -> tuple[Any, ...]:
     return parts + (None,) * (aval.ndim - len(parts))
 
 
-def _spec_of(x: Any) -> P:
-    return jax.typeof(x).sharding.spec
+def _spec_of(x: Any) -> P | None:
+    """``x``'s ``PartitionSpec``; ``None`` for a value without a sharded type (not an array or an array's
+    description, a token)."""
+    if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
+        return None
+    return getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
 
 
 def reduced_axes(x: Any) -> frozenset[str]:
     """The mesh axes ``x``'s type is ``reduced`` over (none for a value without a sharded type)."""
-    try:
-        return frozenset(getattr(_spec_of(x), "reduced", frozenset()))
-    except (AttributeError, TypeError):  # not an array (an aux leaf of another type)
-        return frozenset()
+    return frozenset(getattr(_spec_of(x), "reduced", frozenset()))
 
 
 def unreduced_axes(x: Any) -> frozenset[str]:
     """The mesh axes ``x``'s type is ``unreduced`` over: a partial sum on each device."""
-    try:
-        return frozenset(getattr(_spec_of(x), "unreduced", frozenset()))
-    except (AttributeError, TypeError):
-        return frozenset()
+    return frozenset(getattr(_spec_of(x), "unreduced", frozenset()))
 
 
 def partial_spec(x: Any) -> P:

@@ -571,3 +571,20 @@ def test_auto_mesh_keeps_a_custom_rule_on_an_fsdp_weight():
     assert float(stats.sq_norms["w2"]) == pytest.approx(9 * expected["w2"], rel=2e-5)
     for name in ("emb", "w1", "b1", "b2"):
         assert float(stats.sq_norms[name]) == pytest.approx(expected[name], rel=2e-5), name
+
+
+def test_an_auto_loss_that_explicit_axes_refuse_gets_our_error_naming_the_fix():
+    """A reshape merging the rows' split dimension runs on an Auto mesh (GSPMD decides) but not with the data axes
+    Explicit, where the drop-in runs it: our ValueError names an Explicit mesh, JAX's error as its cause."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+
+    def loss(w, x):
+        return jnp.mean(x.T.reshape(-1) ** 2) * jnp.sum(w * w)
+
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jnp.ones(3), NamedSharding(mesh, P()))
+        x = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P("data")))
+        fn = optax_adascale.value_and_grad(loss, data_axes="data", param_specs=P())
+        with pytest.raises(ValueError, match="Build the mesh with Explicit axes") as info:
+            jax.jit(fn)(w, x)
+    assert "reshape is not supported" in str(info.value.__cause__)
