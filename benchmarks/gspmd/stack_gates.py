@@ -1,0 +1,36 @@
+"""The drop-in's HLO cost gates on the parameter-dominated scanned stack (8 × 512² weights, 32 rows), every way a loss
+meets a sharded weight (einsum, jax.reshard per layer, Auto with param_specs), FSDP and TP × FSDP, k = 1 and 2.
+
+    python benchmarks/gspmd/stack_gates.py    # on each CI JAX; the output of this round is in stack_gates.txt
+"""
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.getcwd())
+from benchmarks.gspmd import cost, models  # noqa: E402
+
+SIZE = {"d": 512, "h": 512, "layers": 8, "rows": 32}  # parameter-dominated: 8 × 512² weights, 32 rows
+explicit = jax.make_mesh((4, 2), ("data", "model"))
+auto = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+print("JAX", jax.__version__)
+print(f"{'layout':8s} {'gather':8s} k  mem drop-in/user  ratio  grad bytes drop-in/user  +scalar AR  gates")
+for layout in ("FSDP", "TP×FSDP"):
+    for gather in ("einsum", "reshard", "auto"):
+        for k in (1, 2):
+            model = models.build("stack", layout, gather=gather, **SIZE)
+            row = cost.measure(model, k, mesh=auto if model.auto else explicit, rounds=1)
+            g = cost.gates(row)
+            g.pop("compile")
+            o, s = row["drop-in"], row["sgd"]
+            mem = f"{o['memory'] / 2**20:6.2f}/{s['memory'] / 2**20:6.2f} MiB  {o['memory'] / s['memory']:.3f}"
+            grad = f"{o['gradient_bytes'] / 1e6:6.2f}/{s['gradient_bytes'] / 1e6:6.2f} MB"
+            extra = o["scalar_all_reduces"] - s["scalar_all_reduces"]
+            verdict = "pass" if all(g.values()) else "FAIL " + str([n for n, v in g.items() if not v])
+            print(f"{layout:8s} {gather:8s} {k}  {mem}  {grad}  {extra:+d}  {verdict}", flush=True)
