@@ -55,11 +55,9 @@ def _powers(decay: Any, gain: Array) -> tuple[Array, Array]:
 
 
 def _wide(*leaves: Array, least: Any = jnp.float32) -> Any:
-    """The dtype a leaf's arithmetic runs in: the leaves' own promoted together and widened to ``least`` (the
-    gain's powers are float32: a bfloat16 trace mixes in float32 and is stored back in bfloat16; complex stays
-    complex). Promoted under the standard rules, which the user's ``jax_numpy_dtype_promotion="strict"`` would
-    refuse between float32 and bfloat16 (what we cast back to is the user's dtype, so nothing is promoted for them).
-    """
+    """The leaves' dtypes promoted together and with ``least`` (``None``: no floor). Under the standard rules, which
+    the user's ``jax_numpy_dtype_promotion="strict"`` refuses between float32 (the gain's powers) and bfloat16; what
+    is returned is cast back to the user's dtype, so nothing is promoted for them."""
     with jax.numpy_dtype_promotion("standard"):
         out = jnp.dtype(least) if least is not None else leaves[0].dtype
         for leaf in leaves:
@@ -67,10 +65,11 @@ def _wide(*leaves: Array, least: Any = jnp.float32) -> Any:
     return out
 
 
-def _mix(a: Array, x: Array, b: Array, y: Array, dtype: Any) -> Array:
-    """``a·x + b·y`` in :func:`_wide`'s dtype, cast to ``dtype``."""
+def _mix(a: Array, x: Array, b: Array, y: Array, out: Any = None) -> Array:
+    """``a·x + b·y`` computed at least in float32 (a bfloat16 trace mixes in float32, complex stays complex) and
+    cast to ``out``: by default ``x``'s and ``y``'s own promoted dtype, what optax's moment updates return."""
     wide = _wide(x, y)
-    return (a * x.astype(wide) + b * y.astype(wide)).astype(dtype)
+    return (a * x.astype(wide) + b * y.astype(wide)).astype(_wide(x, y, least=None) if out is None else out)
 
 
 def trace(decay: float, nesterov: bool = False) -> optax.GradientTransformationExtraArgs:
@@ -108,7 +107,7 @@ def trace(decay: float, nesterov: bool = False) -> optax.GradientTransformationE
         keep = jnp.where(jnp.asarray(gain) == 1, jnp.float32(decay), keep)
 
         def new(g, t):
-            return _mix(weight, g, keep, t, _wide(g, t, least=None))
+            return _mix(weight, g, keep, t)
 
         new_trace = _keeps_state.kept(
             extra_args.get(_keeps_state.TAKEN), jax.tree.map(new, updates, state.trace), state.trace
@@ -165,13 +164,9 @@ def scale_by_adam(
         keep1, fresh1 = _powers(b1, gain)
         keep2, fresh2 = _powers(b2, gain)
         taken = extra_args.get(_keeps_state.TAKEN)
-        mu = jax.tree.map(lambda g, m: _mix(fresh1, g, keep1, m, _wide(g, m, least=None)), updates, state.mu)
+        mu = jax.tree.map(lambda g, m: _mix(fresh1, g, keep1, m), updates, state.mu)
         mu = _keeps_state.kept(taken, mu, state.mu)
-        nu = jax.tree.map(
-            lambda g, v: _mix(fresh2, jnp.square(jnp.abs(g)), keep2, v, _wide(g, v, least=None)),
-            updates,
-            state.nu,
-        )
+        nu = jax.tree.map(lambda g, v: _mix(fresh2, jnp.square(jnp.abs(g)), keep2, v), updates, state.nu)
         nu = _keeps_state.kept(taken, nu, state.nu)
         debias1 = -jnp.expm1(tau * jnp.log(jnp.float32(b1)))
         debias2 = -jnp.expm1(tau * jnp.log(jnp.float32(b2)))
