@@ -52,15 +52,29 @@ def _worth(rule, M, r, S, a, h, noise, batch, beta, max_steps):
     return float("nan")  # the small steps never get there (they plateau above it: the update did more than any k)
 
 
-def analytic_tables(task, *, smoke: bool, cache: Path | None, only_cached: bool) -> dict:
-    """The closed-form grid (rules × S × learning rate), the equal-noise check, and the worth of updates."""
-    path = None if cache is None else cache / "analytic.json"
+def _cached(cache: Path | None, name: str, task, only_cached: bool, empty: dict, compute) -> dict:
+    """A diagnosis table from ``cache/name`` while its task's configuration is unchanged, else ``compute()``d and
+    cached (``empty`` where only cached tables may be read)."""
+    path = None if cache is None else cache / name
     if path is not None and path.exists():
         data = json.loads(path.read_text())
         if data.get("config") == json.loads(json.dumps(task.config())):
             return data
     if only_cached:
-        return {"rows": []}
+        return empty
+    data = {"config": task.config(), **compute()}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data))
+    return data
+
+
+def analytic_tables(task, *, smoke: bool, cache: Path | None, only_cached: bool) -> dict:
+    """The closed-form grid (rules × S × learning rate), the equal-noise check, and the worth of updates."""
+    return _cached(cache, "analytic.json", task, only_cached, {"rows": []}, lambda: _analytic(task, smoke))
+
+
+def _analytic(task, smoke: bool) -> dict:
     h, noise, x0 = _quadratic_arrays(task)
     B, T, lr, beta = task.batch_size, task.total_steps, task.learning_rate, task.momentum
     scales = (2, 4, 8) if smoke else SCALES
@@ -79,11 +93,7 @@ def analytic_tables(task, *, smoke: bool, cache: Path | None, only_cached: bool)
     for rule in ("paper", "tau"):
         for S in (8,) if smoke else (8, 32):
             worth.append({"rule": rule, "S": S, **_worth_profile(rule, S, lr, h, noise, x0, B, T, beta)})
-    data = {"config": task.config(), "rows": rows, "equal_noise": equal, "worth": worth}
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data))
-    return data
+    return {"rows": rows, "equal_noise": equal, "worth": worth}
 
 
 def _equal_noise_run(S, lr, h, noise, x0, B, T, beta):
@@ -126,13 +136,11 @@ def _worth_profile(rule, S, lr, h, noise, x0, B, T, beta, points=12):
 
 def tracking_table(task, *, cache: Path | None, smoke: bool, only_cached: bool) -> dict:
     """The estimated against the true gain on the sampled quadratic: the bias by S, and after a jump of S."""
-    path = None if cache is None else cache / "tracking.json"
-    if path is not None and path.exists():
-        data = json.loads(path.read_text())
-        if data.get("config") == json.loads(json.dumps(task.config())):
-            return data
-    if only_cached:
-        return {"bias": [], "switch": []}
+    empty: dict = {"bias": [], "switch": []}
+    return _cached(cache, "tracking.json", task, only_cached, empty, lambda: _tracking(task, smoke))
+
+
+def _tracking(task, smoke: bool) -> dict:
     seeds = [0] if smoke else list(range(4))
     bias = []
     for replicas in (2, 4) if smoke else (2, 4, 8, 32):
@@ -157,11 +165,7 @@ def tracking_table(task, *, cache: Path | None, smoke: bool, only_cached: bool) 
                 "after": (g[j : j + 20] / t[j : j + 20]).tolist(),
             }
         )
-    data = {"config": task.config(), "bias": bias, "switch": switch, "switch_scale": 2 * (4 if smoke else 16)}
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data))
-    return data
+    return {"bias": bias, "switch": switch, "switch_scale": 2 * (4 if smoke else 16)}
 
 
 def plot_analytic(data: dict, path):
