@@ -1,11 +1,10 @@
 """The drop-in's HLO cost gates on the parameter-dominated scanned stack (8 × 512² weights, 32 rows), every way a loss
 meets a sharded weight (einsum, jax.reshard per layer, Auto with param_specs), FSDP and TP × FSDP, k = 1 and 2.
 
-    python benchmarks/gspmd/stack_gates.py    # on each CI JAX; the output of this round is in stack_gates.txt
+    python -m benchmarks.gspmd.stack_gates    # on each CI JAX; the output of this round is in stack_gates.txt
 """
 
 import os
-import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
@@ -13,7 +12,6 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.getcwd())
 from benchmarks.gspmd import cost, models  # noqa: E402
 
 SIZE = {"d": 512, "h": 512, "layers": 8, "rows": 32}  # parameter-dominated: 8 × 512² weights, 32 rows
