@@ -32,10 +32,10 @@ def _decayed_weights(weight_decay: Any) -> optax.GradientTransformation:
 
 TAU_CLOCK = "tau"
 UPDATE_CLOCK = "update"
-# Each alias's default clock, from benchmarks/scale_quality: AdamW's τ clock (√r·lr) kept every cell of the study
-# within noise where the update clock over-credited; SGD's τ-clock momentum removed the over-credit on three tasks
-# but lost quality on the byte LM (2× its tuned rate, and S = 32 in benchmarks/ramp), so SGD keeps the update clock.
-DEFAULT_CLOCK = {"sgd": UPDATE_CLOCK, "adamw": TAU_CLOCK}
+# Each alias's default clock, from benchmarks/scale_quality: the τ clock for both. AdamW's (√r·lr) kept every cell of
+# the study within noise where the update clock over-credited; SGD's, with the stability guard (core/_clock), removed
+# the update clock's over-credit without the losses near its stability limit that kept it off by default in 0.3.
+DEFAULT_CLOCK = {"sgd": TAU_CLOCK, "adamw": TAU_CLOCK}
 
 
 def _resolve_clock(clock: str | None, estimator: Any, default: str) -> str:
@@ -58,6 +58,7 @@ def adascale_sgd(
     accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
+    clock: str | None = None,
     **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around SGD with PyTorch's semantics (FairScale's ``AdaScale(SGD(...))``).
@@ -123,7 +124,7 @@ def adascale_sgd(
     _checks.check_number("weight_decay", weight_decay, low=0.0)
     parts = [_decayed_weights(weight_decay)]
     options = _options.unwrap(options, "options")
-    clock = _resolve_clock(options.pop("clock", None), estimator, DEFAULT_CLOCK["sgd"])
+    clock = _resolve_clock(clock, estimator, DEFAULT_CLOCK["sgd"])
     if momentum is not None:
         trace = _clock.trace if clock == TAU_CLOCK else _keeps_state.trace
         parts.append(trace(decay=momentum, nesterov=nesterov))
@@ -153,6 +154,7 @@ def adascale_adamw(
     accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
+    clock: str | None = None,
     **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around AdamW (experimental): ``optax.adamw``'s keywords, the gain from the raw gradients.
@@ -211,7 +213,7 @@ def adascale_adamw(
       [-0.001414 -0.001414]
     """
     options = _options.unwrap(options, "options")
-    clock = _resolve_clock(options.pop("clock", None), estimator, DEFAULT_CLOCK["adamw"])
+    clock = _resolve_clock(clock, estimator, DEFAULT_CLOCK["adamw"])
     adam = _clock.scale_by_adam if clock == TAU_CLOCK else _keeps_state.scale_by_adam
     inner = _keeps_state.keeps_state(
         optax.chain(

@@ -54,17 +54,18 @@ def test_adascale_takes_at_most_nine_explicit_keywords_and_catches_only_0_2_spel
     ],
     ids=["adascale_sgd", "adascale_adamw"],
 )
-def test_aliases_take_their_optimizers_keywords_plus_four_adascale_options(factory, own):
+def test_aliases_take_their_optimizers_keywords_plus_four_adascale_options_and_the_clock(factory, own):
     params = inspect.signature(factory).parameters
     named = [n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    assert named == own + list(MOST_SET)
+    assert named == own + list(MOST_SET) + ["clock"]  # DESIGN §2's pinned signatures
+    assert params["clock"].default is None and params["clock"].kind is inspect.Parameter.KEYWORD_ONLY
     assert all(params[k].default == ADASCALE_OPTIONS[k] for k in MOST_SET)
     # Every other option of adascale reaches it through **options.
     tx = factory(0.1, axis_name="i", param_labels={"w": "a"}, delayed_gain=True, shard_optimizer_state=None)
     assert isinstance(tx, optax.GradientTransformationExtraArgs)
     with pytest.raises(TypeError, match="unexpected keyword argument 'momentun'"):
         factory(0.1, momentun=0.9)
-    # The clock rides in **options too (the pinned signature is unchanged), also through inject_hyperparams.
+    # The clock is a keyword of its own, also through inject_hyperparams (a string: static by itself).
     # Two orthogonal micro-batches (gain 2, ḡ = (0.5, 0.5)): the τ clock's buffer holds two base steps (1 + 0.9)·ḡ,
     # the update clock's one, so SGD's step is 2·0.1·1.9·0.5 = 0.19 against 2·0.1·0.5 = 0.1; Adam's is √2·0.1
     # against 2·0.1 (its direction is ±1 per coordinate).
