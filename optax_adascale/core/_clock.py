@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale.core import _keeps_state
+from optax_adascale.core import _keeps_state, _norms
 
 Array = jax.Array
 
@@ -243,10 +243,13 @@ def trace(
         # the buffers this update reads anyway (the new gradient u, the old and new trace, the output).
         old_steps = treedef.flatten_up_to(state.steps)
         new_steps = [r * lr for r in gains]
+        products = _norms.leaf_dots(
+            [pair for g, m, mn, o in zip(leaves, olds, new_m, out, strict=True) for pair in ((g, m), (g, mn), (o, mn))]
+        )
         dots = sums(
             [
-                jnp.stack([s * _dot(g, m), e * _dot(g, mn), e * e * _dot(o, mn)])
-                for g, m, mn, o, s, e in zip(leaves, olds, new_m, out, old_steps, new_steps, strict=True)
+                jnp.stack([s * products[3 * i], e * products[3 * i + 1], e * e * products[3 * i + 2]])
+                for i, (s, e) in enumerate(zip(old_steps, new_steps, strict=True))
             ]
         )
         crossed, slope, reach = dots[0], dots[1], dots[2]
@@ -286,12 +289,6 @@ def _unguarded_trace(
         return out, optax.TraceState(trace=optax.tree.cast(trace, accumulator_dtype))
 
     return optax.GradientTransformationExtraArgs(plain.init, update_fn)
-
-
-def _dot(x: Array, y: Array) -> Array:
-    """``Re Σ x·conj(y)`` in float32 or wider."""
-    wide = _wide(x, y)
-    return jnp.real(jnp.vdot(y.astype(wide), x.astype(wide))).astype(jnp.float32)
 
 
 def _local_sums(parts: list[Array]) -> Array:
