@@ -152,6 +152,8 @@ class Interpreter:
             out = _local.by_rows(self.layout, eqn, invals)
             if out is not None:
                 return out
+        if kind is Kind.GROUPED and rows:
+            return _local.by_groups(self.layout, eqn, invals)
         if self.convert and rows and _auto.looks_up(eqn, invals):  # GSPMD's embedding lookup: the rows' partials
             return _auto.gather_indexed(self.layout, eqn, invals)
         return _local.local(self.layout, kind, eqn, invals)

@@ -25,9 +25,19 @@ class Kind(enum.Enum):
         "a contraction: with the rows JAX's own rule (their sum is the partial); of the copies alone, per copy"
     )
     REDUCTION = "a reduction along some dimensions: per copy"
-    ALONG = "an operation along one dimension (cumulative, sort, top_k, rev, concatenate): per copy"
+    ALONG = (
+        "an operation along some dimensions (cumulative, sort, top_k, rev, concatenate, split, stack, fft): per copy"
+    )
     WINDOW = "a convolution or window: per copy, local to the rows along its batch dimension"
-    INDEXING = "a gather, scatter, slice or pad: per copy"
+    INDEXING = "a gather, scatter, slice, pad or tile: per copy"
+    LINALG = (
+        "a matrix decomposition or solve (cholesky, triangular_solve, eigh, qr, svd, lu): per copy; with the rows, "
+        "only a triangular solve whose right-hand side holds them in its independent columns"
+    )
+    GROUPED = (
+        "a grouped contraction (ragged_dot_general: the lhs's rows in groups, one matrix of the rhs each): per copy; "
+        "with the rows, on each device's rows with its own groups' sizes"
+    )
     OPAQUE = "no gradient reaches a parameter through it, or it runs inside a shard_map's body: bound as traced"
     # the interpreter's structural rules
     GATHER = "reshard: an FSDP gather returns a probed copy; a copy stays a copy"
@@ -54,6 +64,8 @@ ARRAY = frozenset(
         Kind.ALONG,
         Kind.WINDOW,
         Kind.INDEXING,
+        Kind.LINALG,
+        Kind.GROUPED,
     }
 )
 
@@ -64,19 +76,27 @@ _NAMES = {
     Kind.ELEMENTWISE: (
         "abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e bitcast_convert_type cbrt "
         "ceil clamp clz complex conj cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma "
-        "igamma_grad_a igammac imag integer_pow is_finite le lgamma log log1p log2 logistic lt max min mul ne neg "
-        "nextafter not one_minus_square or polygamma polynomial population_count pow real reduce_precision "
+        "igamma_grad_a igammac imag integer_pow is_finite le lgamma log log1p log2 logistic lt lt_to max min mul ne "
+        "neg nextafter not one_minus_square or polygamma polynomial population_count pow real reduce_precision "
         "regularized_incomplete_beta rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical "
         "sign sin sinh sqrt square sub tan tanh xor zeta"
     ),
     Kind.CONTRACTION: "dot_general",
-    Kind.REDUCTION: "reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin",
-    Kind.ALONG: "cumsum cumprod cummax cummin cumlogsumexp sort top_k rev concatenate",
+    Kind.REDUCTION: "reduce reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin",
+    Kind.ALONG: (
+        "cumsum cumprod cummax cummin cumlogsumexp sort top_k approx_top_k rev concatenate split stack unstack fft"
+    ),
     Kind.WINDOW: "conv_general_dilated reduce_window_sum reduce_window_max reduce_window_min",
     Kind.INDEXING: "gather scatter scatter-add scatter-mul scatter-min scatter-max slice dynamic_slice "
-    "dynamic_update_slice pad",
+    "dynamic_update_slice pad tile",
+    Kind.LINALG: (
+        "cholesky cholesky_update eig eigh geqp3 geqrf hessenberg householder_product lu ormqr qr schur svd "
+        "symmetric_product triangular_solve tridiagonal tridiagonal_solve custom_linear_solve"
+    ),
+    Kind.GROUPED: "ragged_dot_general",
     Kind.OPAQUE: (
-        "stop_gradient iota empty2 random_bits random_seed random_wrap random_unwrap random_fold_in random_split "
+        "stop_gradient iota empty empty2 create_token dce_sink lu_pivots_to_permutation random_bits random_seed "
+        "random_wrap random_unwrap random_fold_in random_split "
         "threefry2x32 rng_bit_generator platform_index device_put optimization_barrier name psum psum_invariant "
         "pmax pmin ppermute all_gather all_to_all reduce_scatter axis_index"
     ),
