@@ -296,3 +296,18 @@ def test_the_sweep_sees_the_primitives_the_drop_in_was_missing():
         seen.update(_sweep(module_name)[0])
     assert {"split", "stack", "unstack", "cholesky", "triangular_solve", "eigh", "qr", "svd", "lu"} <= set(seen)
     assert "ragged_dot_general" in seen and "fft" in seen
+
+
+def test_a_refused_primitive_on_a_parameter_is_refused_by_the_drop_in_with_the_reason():
+    """``lax.scaled_dot`` (no derivative in JAX) applied to a parameter: our reason and way out, at trace time."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import optax_adascale
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(np.ones((16, 8), np.float32), NamedSharding(mesh, P("data")))
+        loss = lambda w, x: jnp.mean(x @ lax.scaled_dot(w, w.T))  # noqa: E731
+        with pytest.raises(ValueError, match=r"primitive 'scaled_dot' to a parameter: .*no derivative rule"):
+            jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))(np.eye(8, dtype=np.float32), x)
