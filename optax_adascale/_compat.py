@@ -399,9 +399,12 @@ def reduced_dims(eqn: Any) -> tuple[int, ...]:
 def along_dims(eqn: Any, rank: int) -> tuple[int, ...]:
     """The dimensions an equation works along, of an operand of rank ``rank``: a cumulative op's or ``top_k``'s
     ``axis`` (``top_k`` before JAX 0.10: the last), ``sort``'s ``dimension``, ``rev``'s ``dimensions``,
-    ``concatenate``'s ``dimension``, ``split``'s, ``stack``'s and ``unstack``'s ``axis`` (``stack``: of its
-    output), ``approx_top_k``'s ``reduction_dimension``, ``fft``'s last ``len(fft_lengths)``."""
+    ``concatenate``'s ``dimension``, ``split``'s and ``unstack``'s ``axis``, ``approx_top_k``'s
+    ``reduction_dimension``, ``fft``'s last ``len(fft_lengths)``; none of ``stack``'s operands' (its ``axis`` is a
+    new dimension of its output)."""
     p = eqn.params
+    if eqn.primitive.name == "stack":
+        return ()
     if "dimensions" in p:
         return tuple(p["dimensions"])
     if "fft_lengths" in p:

@@ -19,6 +19,8 @@ def mixes(kind: Kind, eqn, rows: list[frozenset[int]]) -> str | None:
     every = frozenset().union(*rows)
     if kind is Kind.ELEMENTWISE:  # element i reads element i of each (broadcast) operand
         return None
+    if kind is Kind.ALONG and name == "stack":  # a copy stacked with the rows has their size: not per shard
+        return f"{name} of a parameter's copy with the rows" if every else None
     if kind is Kind.ALONG:  # concatenate, a multi-operand sort
         rank = len(getattr(eqn.invars[0].aval, "shape", ()))
         return f"{name} along the rows" if set(_compat.along_dims(eqn, rank)) & every else None
