@@ -72,6 +72,7 @@ class Interpreter:
         self.data = frozenset(layout.data)
         self.rows = layout.rows
         self.partial = partial  # ids of contractions left unreduced (a custom rule's backward pass, _custom)
+        self.in_auto: set[int] = set()  # ids of copies cast to Auto axes (jax.sharding.auto_axes), see array
 
     # ------------------------------------------------------------------ the loop
 
@@ -138,6 +139,8 @@ class Interpreter:
     def array(self, eqn, invals, lineage=None):
         """An equation of an array primitive (the module docstring)."""
         kind = kind_of(eqn.primitive.name)
+        if kind is Kind.GROUPED and any(id(x) in self.in_auto for x in invals):
+            raise ValueError(_local.grouped_on_auto_axes(self.layout))
         copies = [_layout.is_array(x) and bool(_layout.reduced_axes(x)) for x in invals]
         if not any(copies):
             return _auto.decide(self.layout, kind, eqn, invals) if self.convert else self.bind(eqn, invals)
@@ -225,7 +228,12 @@ class Interpreter:
         target = _compat.target_sharding(eqn)
         if _layout.auto_axes(target.mesh):  # a cast to Auto axes (how .at[].get(out_sharding=) gathers): as traced
             # traced on the Auto mesh and run on the Explicit one, the cast is the hint a constraint is
-            return _auto.hint(self.layout, x, target.spec) if self.convert else self.bind(eqn, invals)
+            if self.convert:
+                return _auto.hint(self.layout, x, target.spec)
+            out = self.bind(eqn, invals)
+            if _layout.reduced_axes(x):  # a copy on Auto axes: JAX transposes a grouped matmul of it wrongly
+                self.in_auto.add(id(out))
+            return out
         reduced = _layout.reduced_axes(x)
         if not reduced:
             return self.bind(eqn, invals)

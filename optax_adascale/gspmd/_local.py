@@ -176,6 +176,18 @@ def _not_grouped(eqn, lhs_parts, rhs_parts, layout: Layout) -> str:
     )
 
 
+def grouped_on_auto_axes(layout: Layout) -> str:
+    return (
+        f"value_and_grad(data_axes={layout.data_spec!r}): loss_fn casts a parameter to Auto axes "
+        "(jax.sharding.auto_axes) and applies a grouped matmul (lax.ragged_dot) to it there. JAX 0.10-0.12 transposes "
+        "that matmul on Auto axes into wrong per-device partials for a parameter's copy (jax.value_and_grad of the "
+        "same loss with the parameter typed reduced disagrees with it), so the gradient and the statistics would be "
+        f"wrong. Call lax.ragged_dot(tokens, experts, group_sizes, out_sharding=P({layout.data_spec!r}, None)) on the "
+        "Explicit mesh instead, without auto_axes: the drop-in runs it on each device's rows, exactly (on an "
+        "Explicit mesh JAX itself cannot differentiate it)."
+    )
+
+
 def _row_dims(x: Any, data: frozenset[str]) -> frozenset[int]:
     """The dimensions of ``x`` split over the data axes: they index rows of the batch."""
     return frozenset(d for d, e in enumerate(_layout.partitions(x)) if data & set(_layout.spec_axes(e)))

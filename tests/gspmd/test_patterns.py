@@ -213,3 +213,45 @@ def test_ragged_dot_of_rows_not_split_over_the_data_axes_alone_is_refused_naming
         xs = jax.device_put(x, NamedSharding(mesh, P(("data", "model"))))
         with pytest.raises(ValueError, match=r"grouped contraction 'ragged_dot_general'.*P\('data', None\)"):
             jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))(w, xs)
+
+
+def _auto_axes_ragged_loss(w, x):
+    ids = (x[:, 0] > 0).astype(jnp.int32).reshape(4, 4, out_sharding=P("data"))
+    counts = jnp.sum(jax.nn.one_hot(ids, 2, dtype=jnp.int32), axis=1).reshape(8)
+    grouped = jax.sharding.auto_axes(jax.lax.ragged_dot, out_sharding=P("data", None))
+    return jnp.sum(jnp.tanh(grouped(x, w, counts)))
+
+
+def _auto_axes_ragged_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(8, 8, 6)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32)
+
+
+def test_jax_transposes_a_ragged_dot_of_a_reduced_parameter_on_auto_axes_wrongly():
+    """The reason for the refusal below, in plain JAX: the gradient of a parameter typed ``reduced`` over the data
+    axes, summed from its ``unreduced`` partials, differs from ``jax.grad``'s. When this fails, JAX has fixed it:
+    drop the refusal (``_interpreter.Interpreter.array``, ``in_auto``)."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    w, x = _auto_axes_ragged_data()
+
+    def through_copies(w, x):
+        copy = jax.reshard(w, P(None, None, None, reduced={"data"}))
+        return jax.reshard(jax.grad(_auto_axes_ragged_loss)(copy, x), P())
+
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        ours = jax.jit(through_copies)(w, xs)
+        ref = jax.jit(jax.grad(_auto_axes_ragged_loss))(w, xs)
+    assert not np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-3, atol=1e-3)
+
+
+def test_ragged_dot_of_a_parameter_under_auto_axes_is_refused_naming_the_explicit_call():
+    """``jax.sharding.auto_axes`` around ``lax.ragged_dot`` (how plain JAX differentiates it on an Explicit mesh):
+    JAX's own transpose of it gives wrong partials for a parameter typed reduced (its gradient differs from
+    ``jax.value_and_grad``'s), so the drop-in refuses it and names the call it runs exactly."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    w, x = _auto_axes_ragged_data()
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        with pytest.raises(ValueError, match=r"auto_axes.*out_sharding=P\('data', None\)"):
+            jax.jit(optax_adascale.value_and_grad(_auto_axes_ragged_loss, data_axes="data"))(w, xs)
