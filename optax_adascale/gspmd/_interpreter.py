@@ -72,7 +72,7 @@ class Interpreter:
         self.data = frozenset(layout.data)
         self.rows = layout.rows
         self.partial = partial  # ids of contractions left unreduced (a custom rule's backward pass, _custom)
-        self.in_auto: set[int] = set()  # ids of copies cast to Auto axes (jax.sharding.auto_axes), see array
+        self.in_auto: dict[int, Any] = {}  # copies cast to Auto axes (jax.sharding.auto_axes) by id, see array
 
     # ------------------------------------------------------------------ the loop
 
@@ -232,7 +232,7 @@ class Interpreter:
                 return _auto.hint(self.layout, x, target.spec)
             out = self.bind(eqn, invals)
             if _layout.reduced_axes(x):  # a copy on Auto axes: JAX transposes a grouped matmul of it wrongly
-                self.in_auto.add(id(out))
+                self.in_auto[id(out)] = out  # kept alive: its id names it while the loss is evaluated
             return out
         reduced = _layout.reduced_axes(x)
         if not reduced:

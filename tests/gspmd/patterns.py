@@ -78,7 +78,7 @@ class Pattern:
         stack = jax.tree.map(lambda a: np.stack([a] * n), self.params)
         out = dict.fromkeys(self.params, 0.0)
         for j in range(k):
-            grads = jax.grad(self.copies_loss)(stack, *self.micro_batch(j, k))
+            grads = jax.jit(jax.grad(self.copies_loss))(stack, *self.micro_batch(j, k))
             for name, g in grads.items():
                 out[name] += float(np.mean(np.sum((n * np.asarray(g)) ** 2, axis=tuple(range(1, g.ndim))))) / k
         return out
