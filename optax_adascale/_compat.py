@@ -503,6 +503,7 @@ def primitive(name: str) -> Any:
         "lax.control_flow.conditionals",
         "lax.lax",
         "lax.linalg",
+        "interpreters.partial_eval",
     )
     for where in (f"jax._src.{name}" for name in private):
         try:
