@@ -672,9 +672,9 @@ def _ragged_experts(x, experts, router, explicit: bool):
 
 def ragged_moe(explicit: bool = True) -> Pattern:
     """A top-1 sparse MoE through ``lax.ragged_dot`` (:func:`_ragged_experts`), its experts separate parameters
-    stacked for it (``jnp.stack``). ``explicit``: written for an Explicit mesh (``out_sharding=``), else for an Auto
-    one (no annotation). On an Explicit mesh JAX 0.10-0.12 cannot differentiate ``ragged_dot`` itself (its transpose
-    infers no sharding): the drop-in can, on each device's rows."""
+    stacked for it (``jnp.stack``; FSDP experts gathered first). ``explicit``: written for an Explicit mesh
+    (``out_sharding=``), else for an Auto one (no annotation). On an Explicit mesh JAX 0.10-0.12 cannot differentiate
+    ``ragged_dot`` itself (its transpose infers no sharding): the drop-in can, on each device's rows."""
     rng = _rng(16)
     params = {f"e{i}": (rng.normal(size=(D, H)) / 3).astype(np.float32) for i in range(E)}
     params["router"] = (rng.normal(size=(D, E)) / 3).astype(np.float32)
@@ -682,10 +682,12 @@ def ragged_moe(explicit: bool = True) -> Pattern:
     layouts = {
         "replicated": {name: P() for name in params},
         "TP": {**{name: P() for name in params}, **{f"e{i}": P(None, "model") for i in range(E)}},
+        "FSDP": {**{name: P() for name in params}, **{f"e{i}": P("data", None) for i in range(E)}},
     }
 
     def apply(p, x, y):
-        experts = jnp.stack([p[f"e{i}"] for i in range(E)])
+        gathered = (lambda w: put(w, P(None, col_of(w)))) if explicit else (lambda w: w)  # FSDP: the Explicit way
+        experts = jnp.stack([gathered(p[f"e{i}"]) for i in range(E)])
         h = _ragged_experts(x, experts, p["router"], explicit and on_mesh())
         return mm("bh,hc->bc", h, p["head"], P("data", None) if explicit else None)
 
