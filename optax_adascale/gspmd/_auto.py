@@ -10,7 +10,8 @@ class (``_table``) and its operands' types:
 * a contraction sums its partial products: its output sharded like the operands' free and batch dimensions, the
   contracted axes dropped (:func:`contraction_sharding`, also for a contraction with the rows and a copy);
 * an operation along a dimension (sort, cumsum, top_k, rev, concatenate) split over some axes: on its operands
-  gathered off those axes, as the Explicit way writes it (``jax.reshard``);
+  gathered off those axes, as the Explicit way writes it (``jax.reshard``); several operands of one shape (a stable
+  sort's keys and their positions) sharded alike, as elementwise;
 * a lookup (a gather from an operand not split like its indices, or along a split dimension): sharded like its
   indices, the converted axes Auto inside (:func:`gather_indexed`);
 * anything else as traced: where Explicit types cannot express it, JAX's error becomes our refusal
@@ -45,7 +46,7 @@ def decide(layout: Layout, kind: Kind, eqn, invals: list[Any]) -> Any:
         rank = jnp.ndim(invals[0])
         along = set(_compat.along_dims(eqn, rank))
         axes = frozenset(a for x in invals if jnp.ndim(x) for d in along for a in _spec_axes(x, d))
-        return _layout.bind(layout, eqn, [_off_axes(x, axes) for x in invals] if axes else invals)
+        return _layout.bind(layout, eqn, _alike(layout, [_off_axes(x, axes) for x in invals] if axes else invals))
     if looks_up(eqn, invals):
         return gather_indexed(layout, eqn, invals)
     return _layout.bind(layout, eqn, invals)

@@ -72,6 +72,7 @@ class Interpreter:
         self.data = frozenset(layout.data)
         self.rows = layout.rows
         self.partial = partial  # ids of contractions left unreduced (a custom rule's backward pass, _custom)
+        self.in_auto: dict[int, Any] = {}  # copies cast to Auto axes (jax.sharding.auto_axes) by id, see array
 
     # ------------------------------------------------------------------ the loop
 
@@ -138,6 +139,8 @@ class Interpreter:
     def array(self, eqn, invals, lineage=None):
         """An equation of an array primitive (the module docstring)."""
         kind = kind_of(eqn.primitive.name)
+        if kind is Kind.GROUPED and any(id(x) in self.in_auto for x in invals):
+            raise ValueError(_local.grouped_on_auto_axes(self.layout))
         copies = [_layout.is_array(x) and bool(_layout.reduced_axes(x)) for x in invals]
         if not any(copies):
             return _auto.decide(self.layout, kind, eqn, invals) if self.convert else self.bind(eqn, invals)
@@ -152,6 +155,8 @@ class Interpreter:
             out = _local.by_rows(self.layout, eqn, invals)
             if out is not None:
                 return out
+        if kind is Kind.GROUPED and rows:
+            return _local.by_groups(self.layout, eqn, invals)
         if self.convert and rows and _auto.looks_up(eqn, invals):  # GSPMD's embedding lookup: the rows' partials
             return _auto.gather_indexed(self.layout, eqn, invals)
         return _local.local(self.layout, kind, eqn, invals)
@@ -223,7 +228,12 @@ class Interpreter:
         target = _compat.target_sharding(eqn)
         if _layout.auto_axes(target.mesh):  # a cast to Auto axes (how .at[].get(out_sharding=) gathers): as traced
             # traced on the Auto mesh and run on the Explicit one, the cast is the hint a constraint is
-            return _auto.hint(self.layout, x, target.spec) if self.convert else self.bind(eqn, invals)
+            if self.convert:
+                return _auto.hint(self.layout, x, target.spec)
+            out = self.bind(eqn, invals)
+            if _layout.reduced_axes(x):  # a copy on Auto axes: JAX transposes a grouped matmul of it wrongly
+                self.in_auto[id(out)] = out  # kept alive: its id names it while the loss is evaluated
+            return out
         reduced = _layout.reduced_axes(x)
         if not reduced:
             return self.bind(eqn, invals)
