@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from optax_adascale import _compat
 from optax_adascale.core import _checks, _microbatch
 from optax_adascale.core._samples import MicrobatchStats
-from optax_adascale.gspmd import _global, _layout, _mesh, _split
+from optax_adascale.gspmd import _global, _layout, _mesh, _nnx, _split
 from optax_adascale.gspmd._call import Call, broadcast
 from optax_adascale.gspmd._layout import Layout
 
@@ -159,9 +159,40 @@ def value_and_grad(
     """
     _checks.check_static_int("num_microbatches", num_microbatches)
     _checks.check_bool("has_aux", has_aux)
+    argnums, nnx_filters = _nnx.split_argnums(argnums)
     call = Call.of(argnums, state_argnum, has_aux)
     if data_axes is None:
-        return _per_replica(loss_fn, call, num_microbatches, has_aux, mesh, unroll)
+        plain = _per_replica(loss_fn, call, num_microbatches, has_aux, mesh, unroll)
+    else:
+        plain = _global_batch(loss_fn, call, data_axes, num_microbatches, has_aux, mesh, param_specs, arg_specs, unroll)
+
+    def make(pure_loss, **kwargs):
+        return value_and_grad(
+            pure_loss, data_axes=data_axes, num_microbatches=num_microbatches, mesh=mesh, unroll=unroll, **kwargs
+        )
+
+    def dispatch(*args):
+        nodes = _nnx.positions(args)
+        if not nodes:
+            return plain(*args)
+        return _nnx.call(
+            make,
+            loss_fn,
+            args,
+            nodes,
+            argnums=call.argnums,
+            single=call.single,
+            filters=nnx_filters,
+            has_aux=has_aux,
+            state_argnum=state_argnum,
+            arg_specs=arg_specs,
+            param_specs=param_specs,
+        )
+
+    return dispatch
+
+
+def _global_batch(loss_fn, call, data_axes, num_microbatches, has_aux, mesh, param_specs, arg_specs, unroll):
     names = _mesh.data_axis_names(data_axes)
 
     def fn(*args):
