@@ -106,7 +106,10 @@ def make_steps(scale: int):
         def train_step(model, optimizer, metrics, batch, rngs):
             grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data", has_aux=True, num_microbatches=k)
             (loss, logits), grads, stats = grad_fn(model, batch, rngs)  # AdaScale
-            metrics.update(loss=loss, logits=logits, labels=batch["label"])
+            if k == 1:
+                metrics.update(loss=loss, logits=logits, labels=batch["label"])
+            else:  # a floating aux is the mean over the k micro-batches: the logits do not come back per row
+                metrics.update(loss=loss)
             optimizer.update(model, grads, microbatch_stats=stats)  # AdaScale
 
     @nnx.jit
@@ -141,6 +144,8 @@ def train(data, scale: int, budget: int, lr: float, seed: int, progress: bool = 
         tx = optax_adascale.adascale_sgd(schedule, momentum=0.9)  # AdaScale
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+    if scale > DEVICES:  # micro-batches: the training metric is the loss alone (see train_step)
+        metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
     rngs = nnx.Rngs(seed + 1000)
     train_step, eval_step = make_steps(scale)
 
@@ -171,8 +176,8 @@ def train(data, scale: int, budget: int, lr: float, seed: int, progress: bool = 
                 metrics.reset()
         bar.close()
         seconds = time.perf_counter() - start
-        metrics.reset()
         model.eval()
+        metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
         eval_step(model, metrics, {"image": data["x_test"], "label": data["y_test"]})
         held_out = {k: float(v) for k, v in metrics.compute().items()}
     return {
