@@ -31,7 +31,20 @@ def positions(args: tuple[Any, ...]) -> list[int]:
     nnx = _nnx()
     if nnx is None:
         return []
-    return [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
+    import jax
+
+    def is_node(x: Any) -> bool:  # a Variable on its own is a pytree of its value (and a graph node on Flax 0.12.8)
+        return nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
+
+    found = [i for i, a in enumerate(args) if is_node(a)]
+    for i, a in enumerate(args):
+        if i not in found and any(is_node(x) for x in jax.tree.leaves(a, is_leaf=is_node)):
+            raise ValueError(
+                f"value_and_grad: argument {i} holds an NNX module or nnx.Rngs inside a {type(a).__name__}. The "
+                "drop-in takes NNX objects as nnx.value_and_grad does, each as an argument of its own (e.g. "
+                "loss_fn(model, batch, rngs)): pass them so, or nnx.split them and pass their states."
+            )
+    return found
 
 
 def split_argnums(argnums: Any) -> tuple[Any, dict[int, Any]]:

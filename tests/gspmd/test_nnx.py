@@ -135,3 +135,11 @@ def test_diff_state_argnums_as_nnx_value_and_grad():
     close(grads, grads_ref)
     assert len(jax.tree.leaves(grads)) == 2  # linear2's kernel and bias only
     assert jax.tree.structure(stats.sq_norms) == jax.tree.structure(grads_ref)
+
+
+def test_a_module_inside_another_argument_is_refused_naming_the_fix():
+    model = Net(nnx.Rngs(0))
+    mesh = MESHES["explicit"]()
+    grad_fn = optax_adascale.value_and_grad(lambda pair, batch: loss_fn(pair[0], batch, pair[1])[0], data_axes="data")
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"argument 0 holds an NNX module.*argument of its own"):
+        grad_fn((model, nnx.Rngs(1)), make_batch())
