@@ -152,7 +152,7 @@ def train(data, scale: int, budget: int, lr: float, seed: int, progress: bool = 
     mesh = jax.make_mesh((DEVICES,), ("data",))  # AdaScale: 8 data shards
     rows = NamedSharding(mesh, P("data"))
     stream = batches(data, BASE_BATCH * scale, seed)
-    iterations, tau, gains, start = 0, 0.0, [], time.perf_counter()
+    iterations, tau, gains, taus, start = 0, 0.0, [], [], time.perf_counter()
     bar = tqdm(total=budget, desc=f"S={scale} seed={seed}", unit="τ", file=sys.stderr, disable=not progress)
     # S = 1 is Flax's example as written: no mesh (on a mesh every device would compute the whole batch)
     with jax.set_mesh(mesh) if scale > 1 else contextlib.nullcontext():
@@ -169,6 +169,7 @@ def train(data, scale: int, budget: int, lr: float, seed: int, progress: bool = 
                 m = optax_adascale.metrics(optimizer.opt_state)
                 new_tau, gain = float(m["scale_invariant_steps"]), float(m["gain"])
             gains.append(gain)
+            taus.append(tau)  # τ before this update
             bar.update(min(new_tau, budget) - min(tau, budget))
             tau = new_tau
             if iterations % 50 == 0:
@@ -180,6 +181,11 @@ def train(data, scale: int, budget: int, lr: float, seed: int, progress: bool = 
         metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
         eval_step(model, metrics, {"image": data["x_test"], "label": data["y_test"]})
         held_out = {k: float(v) for k, v in metrics.compute().items()}
+    # the gain pinned at S (grad_sqr at 0: the training set memorised): the last run of updates at 0.99·S or more
+    at_s = [g >= 0.99 * scale for g in gains] if scale > 1 else [False] * len(gains)
+    first = len(at_s)
+    while first > 0 and at_s[first - 1]:
+        first -= 1
     return {
         "S": scale,
         "seed": seed,
@@ -188,13 +194,27 @@ def train(data, scale: int, budget: int, lr: float, seed: int, progress: bool = 
         "tau": tau,
         "mean_gain": tau / iterations,
         "final_gain": gains[-1],
+        "at_S_share": sum(at_s) / len(at_s),
+        "pinned_from_tau": taus[first] if first < len(at_s) else float("nan"),
         "test_acc": 100 * held_out["accuracy"],
         "test_loss": held_out["loss"],
         "seconds": seconds,
     }
 
 
-COLUMNS = ("S", "seed", "batch", "iterations", "tau", "mean gain", "final gain", "test acc", "test loss", "wall (s)")
+COLUMNS = (
+    "S",
+    "seed",
+    "batch",
+    "iterations",
+    "tau",
+    "mean gain",
+    "at S (%)",
+    "pinned@tau",
+    "test acc",
+    "test loss",
+    "wall (s)",
+)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -202,7 +222,8 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         print(
             f"{r['S']:>10} {r['seed']:>10} {r['batch']:>10} {r['iterations']:>10} {r['tau']:>10.1f} "
-            f"{r['mean_gain']:>10.2f} {r['final_gain']:>10.2f} {r['test_acc']:>9.2f}% {r['test_loss']:>10.4f} "
+            f"{r['mean_gain']:>10.2f} {100 * r['at_S_share']:>10.1f} {r['pinned_from_tau']:>10.0f} "
+            f"{r['test_acc']:>9.2f}% {r['test_loss']:>10.4f} "
             f"{r['seconds']:>10.1f}"
         )
     scales = sorted({r["S"] for r in rows})
