@@ -108,9 +108,11 @@ def call(
             call_args[i] = merged[g]
         if state_argnum is not None:
             call_args[state_argnum] = user_in
-        out = loss_fn(*call_args)
+        out: Any = loss_fn(*call_args)
+        loss: Any
+        aux: Any
         loss, aux = out if has_aux else (out, None)
-        new_user = None
+        new_user: Any = None
         if state_argnum is not None:
             aux, new_user = aux
         _, _, new_rest = nnx.split(merged, is_diff, ...)
