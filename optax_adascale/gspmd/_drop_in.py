@@ -96,6 +96,17 @@ def value_and_grad(
       A loss that cannot run that way raises a ``ValueError`` naming the
       Explicit mesh as the fix.
 
+    **Flax NNX**: modules and ``nnx.Rngs`` among the arguments are taken as
+    ``nnx.value_and_grad`` takes them (``loss_fn(model, batch, rngs)`` inside
+    ``nnx.jit``): the module ``argnums`` names is differentiated with respect to
+    its ``nnx.Param`` variables (``argnums=nnx.DiffState(i, filter)`` for
+    another filter), ``grads`` and ``stats.sq_norms`` are that ``nnx.State``
+    (what ``nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, grads,
+    microbatch_stats=stats)`` takes), the other variables (BatchNorm's
+    statistics, RNG counts) are threaded as state and written back into the
+    objects, and on Auto axes the parameters' layout comes from the variables'
+    sharding metadata unless ``param_specs`` is given.
+
     **Per replica** (``data_axes=None``): inside ``shard_map``, ``pmap`` or
     ``vmap`` the batch is already the replica's; its ``k`` contiguous micro-batches
     are the samples (``n = k``) and the tx has ``axis_name`` set. Under

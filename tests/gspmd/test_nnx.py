@@ -143,3 +143,20 @@ def test_a_module_inside_another_argument_is_refused_naming_the_fix():
     grad_fn = optax_adascale.value_and_grad(lambda pair, batch: loss_fn(pair[0], batch, pair[1])[0], data_axes="data")
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"argument 0 holds an NNX module.*argument of its own"):
         grad_fn((model, nnx.Rngs(1)), make_batch())
+
+
+def test_arg_specs_name_the_arguments_as_the_user_passes_them():
+    # arg_specs: one entry per argument not differentiated, the nnx.Rngs included (its entry is not used: an NNX
+    # object's variables are state, passed whole)
+    mesh = MESHES["auto"]()
+    ours, theirs = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    batch = make_batch()
+    grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data", has_aux=True, arg_specs=(P("data"), P()))
+    with jax.set_mesh(mesh):
+        (loss, _), grads, _ = nnx.jit(grad_fn)(ours, batch, nnx.Rngs(1))
+        (loss_ref, _), grads_ref = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))(theirs, batch, nnx.Rngs(1))
+    close((loss, grads), (loss_ref, grads_ref))
+    with pytest.raises(ValueError, match=r"arg_specs must give one entry per argument that is not differentiated"):
+        optax_adascale.value_and_grad(loss_fn, data_axes="data", has_aux=True, arg_specs=(P("data"),))(
+            ours, batch, nnx.Rngs(1)
+        )
