@@ -8,7 +8,9 @@ class (``_table``) and its operands' types:
 * elementwise: operands sharded alike (a replicated operand resharded like the sharded one of the same shape;
   operands whose specs conflict gathered off the model axes, then, if they still conflict, off every axis);
 * a contraction sums its partial products: its output sharded like the operands' free and batch dimensions, the
-  contracted axes dropped (:func:`contraction_sharding`, also for a contraction with the rows and a copy);
+  contracted axes dropped (:func:`contraction_sharding`, also for a contraction with the rows and a copy); an axis
+  splitting one operand's contracted dimension and the other's free one is gathered off the first
+  (:func:`contraction_operands`);
 * an operation along a dimension (sort, cumsum, top_k, rev, concatenate) split over some axes: on its operands
   gathered off those axes, as the Explicit way writes it (``jax.reshard``); several operands of one shape (a stable
   sort's keys and their positions) sharded alike, as elementwise;
@@ -41,6 +43,7 @@ def decide(layout: Layout, kind: Kind, eqn, invals: list[Any]) -> Any:
     if kind is Kind.ELEMENTWISE:
         return _layout.bind(layout, eqn, _alike(layout, invals))
     if kind is Kind.CONTRACTION:
+        invals = contraction_operands(eqn, invals)
         return _layout.bind(layout, eqn, invals, contraction_params(eqn, invals))
     if kind is Kind.ALONG:
         rank = jnp.ndim(invals[0])
@@ -84,6 +87,25 @@ def _alike(layout: Layout, invals: list[Any]) -> list[Any]:
 
 def _spec_axes(x: Any, d: int) -> tuple[str, ...]:
     return _layout.spec_axes(_layout.partitions(x)[d]) if d < jnp.ndim(x) else ()
+
+
+def contraction_operands(eqn, invals: list[Any]) -> list[Any]:
+    """GSPMD's operands for a ``dot_general`` whose contracted dimensions are split differently: an axis that splits
+    one operand's contracted dimension but not the other's, and splits a free or batch dimension of that other, is
+    gathered off the first (``x`` split along its features over ``tensor`` times a weight split along its outputs
+    over ``tensor``: ``x`` gathered, the output split like the weight's outputs, as GSPMD shards a Megatron layer).
+    Kept, that axis would be dropped from the output and the weight gathered whole on every device."""
+    (lc, rc), _ = _compat.contraction_dims(eqn)
+    lhs, rhs = (_layout.partitions(x) for x in invals)
+    out = list(invals)
+    for i, (mine, theirs, own_c, their_c) in enumerate(((lhs, rhs, lc, rc), (rhs, lhs, rc, lc))):
+        contracted = {a for d in own_c for a in _layout.spec_axes(mine[d])}
+        shared = {a for d in their_c for a in _layout.spec_axes(theirs[d])}
+        elsewhere = {a for d in range(len(theirs)) if d not in their_c for a in _layout.spec_axes(theirs[d])}
+        axes = frozenset((contracted - shared) & elsewhere)
+        if axes:
+            out[i] = _off_axes(out[i], axes)
+    return out
 
 
 def contraction_params(eqn, invals) -> dict[str, Any]:

@@ -150,7 +150,10 @@ class Interpreter:
         if kind in (Kind.VIEW, Kind.BROADCAST, Kind.SUM) and not rows and _compat.binds_on_reduced(eqn.primitive.name):
             return self.bind(eqn, invals)
         if kind is Kind.CONTRACTION and rows:
-            return self.bind(eqn, invals, _auto.contraction_params(eqn, invals) if self.convert else None)
+            if not self.convert:
+                return self.bind(eqn, invals)
+            invals = _auto.contraction_operands(eqn, invals)
+            return self.bind(eqn, invals, _auto.contraction_params(eqn, invals))
         if kind is Kind.ELEMENTWISE and rows:
             out = _local.by_rows(self.layout, eqn, invals)
             if out is not None:
