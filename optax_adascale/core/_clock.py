@@ -139,13 +139,24 @@ def _mix(a: Array, x: Array, b: Array, y: Array, out: Any = None) -> Array:
     return (a * x.astype(wide) + b * y.astype(wide)).astype(_wide(x, y, least=None) if out is None else out)
 
 
+class PerLeaf(NamedTuple):
+    """One float32 ``[]`` per leaf of the params, in their flattening order: scalars that placement and the ZeRO
+    rows leave replicated (a tree shaped like the params would be laid out like them)."""
+
+    values: tuple[Array, ...]
+
+
+def _per_leaf_zeros(params: Any) -> PerLeaf:
+    return PerLeaf(tuple(jnp.zeros([], jnp.float32) for _ in jax.tree.leaves(params)))
+
+
 class TraceState(NamedTuple):
     """State of :func:`trace`: the momentum and what its stability guard measured along the last step.
 
     Attributes:
       trace: the momentum ``m``, shaped like the params (optax's ``TraceState.trace``).
-      steps: a tree of float32 ``[]`` shaped like the params: each leaf's step ``η = r·lr`` of the last update
-        (0 before the first); the last step moved the parameters by ``−η·v`` (``v`` the trace's output).
+      steps: :class:`PerLeaf`: each leaf's step ``η = r·lr`` of the last update (0 before the first); the last
+        step moved the parameters by ``−η·v`` (``v`` the trace's output).
       slope: float32 ``[]``, ``Σ η·(u·m)``: the update's input ``u`` along the last step, per its own step.
       reach: float32 ``[]``, ``Σ η²·(v·m)``: the last step's squared length along ``m``.
       noise: float32 ``[]``, the part of ``slope`` that is the gradient's noise (its expectation, ``σ̄²/S`` times
@@ -211,7 +222,7 @@ def trace(
         zero = lambda: jnp.zeros([], jnp.float32)  # noqa: E731 - a fresh buffer per field (donation)
         return TraceState(
             trace=plain.init(params).trace,
-            steps=jax.tree.map(lambda _: zero(), params),
+            steps=_per_leaf_zeros(params),
             slope=zero(),
             reach=zero(),
             noise=zero(),
@@ -229,27 +240,31 @@ def trace(
         olds = treedef.flatten_up_to(state.trace)
         gains = _per_leaf(steps.gain, updates)
         lr = jnp.asarray(steps.learning_rate, jnp.float32)
-        new_m, out, keeps, weights = [], [], [], []
+        # The guard's measurements: the secant along the last step −η·v (``m`` its probe), from dot products over
+        # the buffers this update reads anyway (the new gradient u, the old and new trace, the output). The new
+        # trace is selected on a predicate that reads the dot with the old one: the old buffer is read before the
+        # new one is written over it (a donated state is updated in place, not copied).
+        crossed_local = _norms.leaf_dots(list(zip(leaves, olds, strict=True)))
+        read = jnp.all(jnp.stack([(d == d) | (d != d) for d in crossed_local]))  # always True, after the reads
+        taken_after = read if taken is None else taken & read
+        new_m, out, weights = [], [], []
         for g, m, r in zip(leaves, olds, gains, strict=True):
             keep, fresh = _powers(decay, r)
             weight = jnp.where(r == 1, jnp.float32(1), fresh / jnp.float32(one_minus))
             keep = jnp.where(r == 1, jnp.float32(decay), keep)
-            m_new = _keeps_state.kept(taken, _mix(weight, g, keep, m), m)
+            m_new = _keeps_state.kept(taken_after, _mix(weight, g, keep, m), m)
             new_m.append(m_new)
             out.append(_mix(weight, g, keep, m_new) if nesterov else m_new)
-            keeps.append(keep)
             weights.append(weight)
-        # The guard's measurements: the secant along the last step −η·v (``m`` its probe), from dot products over
-        # the buffers this update reads anyway (the new gradient u, the old and new trace, the output).
-        old_steps = treedef.flatten_up_to(state.steps)
+        old_steps = state.steps.values
         new_steps = [r * lr for r in gains]
         products = _norms.leaf_dots(
-            [pair for g, m, mn, o in zip(leaves, olds, new_m, out, strict=True) for pair in ((g, m), (g, mn), (o, mn))]
+            [pair for g, mn, o in zip(leaves, new_m, out, strict=True) for pair in ((g, mn), (o, mn))]
         )
         dots = sums(
             [
-                jnp.stack([s * products[3 * i], e * products[3 * i + 1], e * e * products[3 * i + 2]])
-                for i, (s, e) in enumerate(zip(old_steps, new_steps, strict=True))
+                jnp.stack([s * d, e * products[2 * i], e * e * products[2 * i + 1]])
+                for i, (s, e, d) in enumerate(zip(old_steps, new_steps, crossed_local, strict=True))
             ]
         )
         crossed, slope, reach = dots[0], dots[1], dots[2]
@@ -259,7 +274,7 @@ def trace(
         # E[(ξ_t − ξ_{t+1})·m_t] = weight·E‖ξ_t‖²: the noise the next secant subtracts (the smallest leaf's share)
         step_weight = jnp.min(jnp.stack([e * w for e, w in zip(new_steps, weights, strict=True)]))
         noise = step_weight * jnp.asarray(steps.noise, jnp.float32)
-        scalars = (treedef.unflatten(new_steps), slope, reach, noise, curvature)
+        scalars = (PerLeaf(tuple(new_steps)), slope, reach, noise, curvature)
         old_scalars = (state.steps, state.slope, state.reach, state.noise, state.curvature)
         scalars = _keeps_state.kept(taken, scalars, old_scalars)
         new_trace = optax.tree.cast(treedef.unflatten(new_m), accumulator_dtype)
@@ -323,7 +338,6 @@ def gain_limit(inner_state: Any, learning_rate: Array, last_gain: Array) -> Arra
     lr = jnp.asarray(learning_rate, jnp.float32)
     for node in found:
         grown = jnp.maximum(jnp.asarray(last_gain, jnp.float32), 1.0) * GAIN_GROWTH
-        grown = jnp.where(node.curvature > 0, grown, jnp.inf)  # nothing measured yet: nothing to guard against
         limit = jnp.minimum(limit, jnp.minimum(_largest_gain(node, lr, 2.0 * GUARD_MARGIN), grown))
     return limit
 
@@ -361,8 +375,8 @@ class ScaleByAdamState(NamedTuple):
 
     Attributes:
       count: int32 ``[]``, updates applied (optax's field).
-      base_steps: a tree of float32 ``[]`` shaped like the params: the base-batch steps each leaf's averages have
-        seen (the sum of the gains of the updates applied), which Adam's debiasing ``1 − β^τ`` reads.
+      base_steps: :class:`PerLeaf`: the base-batch steps each leaf's averages have seen (the sum of the gains of
+        the updates applied), which Adam's debiasing ``1 − β^τ`` reads.
       mu: the first moment (optax's field).
       nu: the second moment (optax's field).
     """
@@ -420,8 +434,7 @@ def scale_by_adam(
 
     def init_fn(params):
         base = plain.init(params)
-        steps = jax.tree.map(lambda _: jnp.zeros([], jnp.float32), params)
-        return ScaleByAdamState(count=base.count, base_steps=steps, mu=base.mu, nu=base.nu)
+        return ScaleByAdamState(count=base.count, base_steps=_per_leaf_zeros(params), mu=base.mu, nu=base.nu)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params
@@ -430,7 +443,7 @@ def scale_by_adam(
         leaves, treedef = jax.tree.flatten(updates)
         gains = _per_leaf(steps.gain, updates)
         mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-        seen = treedef.flatten_up_to(state.base_steps)
+        seen = state.base_steps.values
         count = optax.safe_increment(state.count)
         new_mu, new_nu, new_seen, out = [], [], [], []
         for g, m, v, tau, r in zip(leaves, mus, nus, seen, gains, strict=True):
@@ -460,7 +473,7 @@ def scale_by_adam(
         mu, nu = treedef.unflatten(new_mu), treedef.unflatten(new_nu)
         new_state = ScaleByAdamState(
             count=_keeps_state.kept(taken, count, state.count),
-            base_steps=treedef.unflatten(new_seen),
+            base_steps=PerLeaf(tuple(new_seen)),
             mu=optax.tree.cast(mu, mu_dtype) if mu_dtype is not None else optax.tree.cast_like(mu, state.mu),
             nu=optax.tree.cast_like(nu, state.nu),
         )

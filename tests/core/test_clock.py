@@ -77,7 +77,7 @@ def test_adam_at_gain_one_is_optax_scale_by_adam_bit_for_bit():
         u1, s1 = ours.update(_grads(i), s1, **_steps(1.0))
         u2, s2 = theirs.update(_grads(i), s2)
         assert bits_equal(u1, u2) and bits_equal([s1.count, s1.mu, s1.nu], list(s2))
-    assert float(s1.base_steps) == 3.0
+    assert float(s1.base_steps.values[0]) == 3.0
 
 
 @pytest.mark.parametrize("gain", [2, 5])
@@ -88,7 +88,7 @@ def test_adam_averages_after_an_update_worth_r_base_steps_are_those_of_r_base_st
     for i in range(3):  # a history of three base steps (τ = 3)
         _, s2 = theirs.update(_grads(i), s2)
     # its own count of base steps, 3, where optax's counts 3 updates (one update of gain 3 would count 1)
-    start = _clock.ScaleByAdamState(count=jnp.int32(1), base_steps=jnp.float32(3), mu=s2.mu, nu=s2.nu)
+    start = _clock.ScaleByAdamState(count=jnp.int32(1), base_steps=_clock.PerLeaf((jnp.float32(3),)), mu=s2.mu, nu=s2.nu)
     g = _grads(9)
     out, after = ours.update(g, start, **_steps(gain))
     for _ in range(gain):
@@ -98,7 +98,7 @@ def test_adam_averages_after_an_update_worth_r_base_steps_are_those_of_r_base_st
     # the direction: the r-th base step's, times r^(-1/2) (Adam's √r, made explicit)
     np.testing.assert_allclose(out, base_out / np.sqrt(gain), rtol=1e-4)
     assert int(after.count) == 2  # count still counts updates
-    assert float(after.base_steps) == 3 + gain  # and base_steps the base steps: the debias reads it
+    assert float(after.base_steps.values[0]) == 3 + gain  # and base_steps the base steps: the debias reads it
 
 
 def test_adam_step_under_the_gain_is_sqrt_r_times_the_learning_rate():
