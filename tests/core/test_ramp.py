@@ -8,6 +8,8 @@
 * The estimator with a traced ``n`` is the formula; AdamW ramps too; the readers; the refusals.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,19 +227,29 @@ def train(tx, calls, **grads_kw):
     return params, state, ks
 
 
-@pytest.mark.parametrize("k", [2, 3, 4])
-def test_a_ramp_pinned_at_k_is_accumulation_steps_k(k):
-    """Bit for bit on the default ladder's powers of two; at k = 3 the division by a traced 3 may round apart from
+PINNED_SCHEDULE = optax.cosine_decay_schedule(0.1, 200)  # τ reaches ~200 in 40 calls at k = 4: the whole cosine
+
+
+@pytest.mark.parametrize(
+    "factory, k",
+    [("sgd", 2), ("sgd", 3), ("sgd", 4), ("adamw", 4)],
+    ids=["sgd-k2", "sgd-k3", "sgd-k4", "adamw-tau-clock-k4"],
+)
+def test_a_ramp_pinned_at_k_is_accumulation_steps_k(factory, k):
+    """Over 40 calls under vmap with a cosine schedule (SGD with momentum on the update clock, AdamW on the τ clock):
+    bit for bit on the default ladder's powers of two; at k = 3 the division by a traced 3 may round apart from
     XLA's division by the constant (1 ulp)."""
-    static = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=k)
-    pinned = optax_adascale.adascale_sgd(
-        0.1, momentum=0.9, axis_name="i", accumulation_steps=optax_adascale.BatchRamp(k, k)
-    )
-    p1, s1, _ = train(static, 4 * k)
-    p2, s2, _ = train(pinned, 4 * k)
+    if factory == "sgd":
+        make = functools.partial(optax_adascale.adascale_sgd, PINNED_SCHEDULE, momentum=0.9, axis_name="i")
+    else:
+        make = functools.partial(optax_adascale.adascale_adamw, PINNED_SCHEDULE, weight_decay=1e-2, axis_name="i")
+    p1, s1, _ = train(make(accumulation_steps=k), 40)
+    p2, s2, _ = train(make(accumulation_steps=optax_adascale.BatchRamp(k, k)), 40)
+    s1, s2 = (optax_adascale.get_adascale_state(s)._replace(ramp=None) for s in (s1, s2))
+    assert int(s1.count) == 40 // k and int(s1.tau_whole) > 10  # the schedule moved
     if k & (k - 1) == 0:
         assert bits_equal(p1, p2)
-        assert bits_equal(s1._replace(ramp=None), s2._replace(ramp=None))
+        assert bits_equal(s1, s2)
     else:
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), p1, p2)
 
@@ -390,6 +402,15 @@ def _applied(tx, calls):
     return params, pairs
 
 
+@functools.cache
+def _plain_ramp_run():
+    """The plain ramp's 18 calls that every variant below is compared with: run once per worker (the variants share
+    one ``xdist_group``), not once per variant."""
+    ramp = optax_adascale.BatchRamp(1, 2, **MOVING)
+    return _applied(optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp), 18)
+
+
+@pytest.mark.xdist_group("ramp_composes")
 @pytest.mark.parametrize(
     "variant",
     [
@@ -406,14 +427,13 @@ def test_a_ramp_composes_with_the_other_options(variant):
     labels give each group the gain of its own averages at ``S_t`` (and one label for every leaf is the plain ramp);
     the delayed gain is the gain of the averages *before* the update at ``S_t``."""
     ramp = optax_adascale.BatchRamp(1, 2, **MOVING)
-    plain = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
     variant = dict(variant)
     if variant.pop("inject", False):
         factory = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("learning_rate",))
         tx = factory(learning_rate=0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
     else:
         tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp, **variant)
-    p_ref, pairs_ref = _applied(plain, 18)
+    p_ref, pairs_ref = _plain_ramp_run()
     params, pairs = _applied(tx, 18)
     scales = [float(after.scale) for _, after in pairs]
     assert scales == [float(after.scale) for _, after in pairs_ref]  # the same rungs, update by update
