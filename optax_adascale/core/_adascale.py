@@ -303,10 +303,15 @@ def transform(
         return _init(options, reduction, inner, params)
 
     rows_seen: set[tuple[int, ...]] = set()  # the drop-in's batch sizes under a ramp, for check_rows' warning only
+    off_ladder_seen: set[int] = set()  # the restored k already said to leave the ladder (a window: one warning)
 
     def update_fn(updates, state, params=None, *, microbatch_stats=None, **extra_args):
         if options.ramp is not None and isinstance(microbatch_stats, MicrobatchStats):
             _ramp.check_rows(rows_seen, microbatch_stats.rows)
+        if options.ramp is not None and getattr(state, "ramp", None) is not None:  # concrete (not under jit) only
+            _ramp.warn_if_off_ladder(
+                options.ramp, state.ramp.microbatches, state.micro_step, "the optimizer state", off_ladder_seen
+            )
         return _update(options, update, reduction, updates, state, params, microbatch_stats, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
