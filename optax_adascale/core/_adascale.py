@@ -197,21 +197,12 @@ def _update(
             new_state = _decide(ramp, state, new_state, per_microbatch)
         return new_updates, new_state
 
+    if samples.altered is not None:  # b would be taken from changed gradients: a = −∞ rides the one reduction to
+        local_sq = jnp.where(samples.altered, -jnp.inf, local_sq)  # every replica (and the window), which skip it
     if ramp is None and k == 1:
         return step(grads, local_sq, state)
     _axes.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name, grads)
-    altered = None
-    if samples.altered is not None:  # b would be taken from changed gradients: the window is skipped (a = −inf)
-        altered = samples.altered | jnp.any(jnp.isneginf(state.acc_sq_norm))
-        local_sq = jnp.where(samples.altered, -jnp.inf, local_sq)
     new_updates, new_state = _accumulate.accumulate(k, grads, local_sq, state, step)
-    if altered is not None:
-        counted = altered & (new_state.skipped_steps != state.skipped_steps)
-        new_state = new_state._replace(
-            altered_grads_steps=jnp.where(
-                counted, optax.safe_increment(new_state.altered_grads_steps), new_state.altered_grads_steps
-            )
-        )
     if ramp is not None:  # every call: the loader's position, and the samples per call (for the readers)
         new_state = new_state._replace(
             ramp=new_state.ramp._replace(
