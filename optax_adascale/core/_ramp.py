@@ -227,11 +227,12 @@ def warn_if_off_ladder(
     """
     if _compat.is_tracer(k) or _compat.is_tracer(micro_step):
         return None
+    ladder: tuple[int, ...] = tuple(ramp.ladder or ())  # set in __post_init__
     ks = np.unique(np.asarray(jax.device_get(k)))  # a pmap-stacked state holds one k per device, all equal
-    if ks.size != 1 or int(ks[0]) in ramp.ladder:
+    if ks.size != 1 or int(ks[0]) in ladder:
         return None
     old = int(ks[0])
-    new = max([rung for rung in ramp.ladder if rung <= old], default=ramp.ladder[0])
+    new = max([rung for rung in ladder if rung <= old], default=ladder[0])
     if seen is not None:  # each call of a window in progress holds the same old k
         if old in seen:
             return new
@@ -244,7 +245,7 @@ def warn_if_off_ladder(
         when = "at this update"
     _checks.warn(
         f"{how} holds a BatchRamp state at k = {old} micro-batches, which is not a rung of this ramp's ladder "
-        f"{ramp.ladder}: k moves from {old} to {new} {when} (the largest rung at or below it; the lowest if it is "
+        f"{ladder}: k moves from {old} to {new} {when} (the largest rung at or below it; the lowest if it is "
         f"below them all). To keep the batch at k = {old}, build the optimizer with a ramp whose ladder holds {old}."
     )
     return new
