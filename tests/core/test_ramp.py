@@ -231,18 +231,19 @@ PINNED_SCHEDULE = optax.cosine_decay_schedule(0.1, 200)  # τ reaches ~200 in 40
 
 
 @pytest.mark.parametrize(
-    "factory, k",
-    [("sgd", 2), ("sgd", 3), ("sgd", 4), ("adamw", 4)],
-    ids=["sgd-k2", "sgd-k3", "sgd-k4", "adamw-tau-clock-k4"],
+    "factory, clock, k",
+    [("sgd", "update", 2), ("sgd", "update", 3), ("sgd", "update", 4), ("sgd", "tau", 4), ("adamw", "tau", 4)],
+    ids=["sgd-update-k2", "sgd-update-k3", "sgd-update-k4", "sgd-tau-k4", "adamw-tau-k4"],
 )
-def test_a_ramp_pinned_at_k_is_accumulation_steps_k(factory, k):
-    """Over 40 calls under vmap with a cosine schedule (SGD with momentum on the update clock, AdamW on the τ clock):
-    bit for bit on the default ladder's powers of two; at k = 3 the division by a traced 3 may round apart from
-    XLA's division by the constant (1 ulp)."""
+def test_a_ramp_pinned_at_k_is_accumulation_steps_k(factory, clock, k):
+    """Over 40 calls under vmap with a cosine schedule, on each clock: bit for bit on the default ladder's powers of
+    two; at k = 3 the division by a traced 3 may round apart from XLA's division by the constant (1 ulp)."""
     if factory == "sgd":
-        make = functools.partial(optax_adascale.adascale_sgd, PINNED_SCHEDULE, momentum=0.9, axis_name="i")
+        make = functools.partial(optax_adascale.adascale_sgd, PINNED_SCHEDULE, momentum=0.9, axis_name="i", clock=clock)
     else:
-        make = functools.partial(optax_adascale.adascale_adamw, PINNED_SCHEDULE, weight_decay=1e-2, axis_name="i")
+        make = functools.partial(
+            optax_adascale.adascale_adamw, PINNED_SCHEDULE, weight_decay=1e-2, axis_name="i", clock=clock
+        )
     p1, s1, _ = train(make(accumulation_steps=k), 40)
     p2, s2, _ = train(make(accumulation_steps=optax_adascale.BatchRamp(k, k)), 40)
     s1, s2 = (optax_adascale.get_adascale_state(s)._replace(ramp=None) for s in (s1, s2))
