@@ -244,15 +244,28 @@ def test_a_ramp_pinned_at_k_is_accumulation_steps_k(factory, clock, k):
         make = functools.partial(
             optax_adascale.adascale_adamw, PINNED_SCHEDULE, weight_decay=1e-2, axis_name="i", clock=clock
         )
-    p1, s1, _ = train(make(accumulation_steps=k), 40)
-    p2, s2, _ = train(make(accumulation_steps=optax_adascale.BatchRamp(k, k)), 40)
-    s1, s2 = (optax_adascale.get_adascale_state(s)._replace(ramp=None) for s in (s1, s2))
-    assert int(s1.count) == 40 // k and int(s1.tau_whole) > 10  # the schedule moved
-    if k & (k - 1) == 0:
-        assert bits_equal(p1, p2)
-        assert bits_equal(s1, s2)
-    else:
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), p1, p2)
+    (p1, s1), (p2, s2) = (
+        _every_call(make(accumulation_steps=steps), 40) for steps in (k, optax_adascale.BatchRamp(k, k))
+    )
+    assert int(s1[-1].count) == 40 // k and int(s1[-1].tau_whole) > 10  # the schedule moved
+    for call in range(40):  # after every call, not only the last (a field rewritten each update hides a drift)
+        if k & (k - 1) == 0:
+            assert bits_equal(p1[call], p2[call]), call
+            assert bits_equal(s1[call], s2[call]), call
+        else:
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), p1[call], p2[call])
+
+
+def _every_call(tx, calls):
+    """The params and AdaScale's state (its ramp's left out) after each of ``calls`` calls of :func:`vmapped`."""
+    state, step = vmapped(tx)
+    params, ps, ss = PARAMS, [], []
+    for call in range(calls):
+        updates, state = step(noisy_grads(call), state, params)
+        params = optax.apply_updates(params, updates)
+        ps.append(params)
+        ss.append(optax_adascale.get_adascale_state(state)._replace(ramp=None))
+    return ps, ss
 
 
 def test_a_ramp_pinned_at_one_is_the_unaccumulated_update_to_rounding():
