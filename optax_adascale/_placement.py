@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from optax_adascale import _state
-from optax_adascale.core import _read
+from optax_adascale.core import _ramp, _read
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.sharding import _zero
 
@@ -202,6 +202,12 @@ def transfer_state(opt_state: Any, target: Any) -> Any:
         fields["inner_state"] = _zero.recut(source.inner_state, s.inner_state)
         if source.ramp is None or s.ramp is None:
             fields["ramp"] = s.ramp
+        elif (ramp := _ramp.fresh_ramp(s.ramp)) is not None:  # into a ramp whose ladder we know (its init's state)
+            k = _ramp.warn_if_off_ladder(
+                ramp, source.ramp.microbatches, 0, "the state given to transfer_state", moved=True
+            )
+            if k is not None:  # on the ladder now: batch_plan says so before the first update (which would move it)
+                fields["ramp"] = source.ramp._replace(microbatches=jnp.full_like(source.ramp.microbatches, k))
         return _conform(AdaScaleState(**fields), s)
 
     return _map_states(target, per_state, lambda x: x)

@@ -170,9 +170,9 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     (``lr(⌊τ_t⌋)``, the schedule's value), ``scale`` (``S``), ``skipped_steps``
     (and why: ``skipped_nonfinite_steps`` for non-finite gradients, statistics or
     learning rates, ``skipped_negative_lr_steps`` for a negative learning rate,
-    ``skipped_altered_grads_steps`` for accumulated updates whose gradients were
-    changed between :func:`value_and_grad` and ``update``: clipped or scaled before
-    AdaScale, which :func:`done` refuses),
+    ``skipped_altered_grads_steps`` for updates whose gradients were changed between
+    :func:`value_and_grad` and ``update`` (per-replica statistics; the drop-in's when
+    accumulating): clipped or scaled before AdaScale, which :func:`done` refuses),
     ``floored_steps`` (applied updates whose variance estimate was zero up to
     rounding: if it grows with ``count``, the replicas see identical
     gradients — typically gradients averaged *before* ``update``; :func:`done`
@@ -330,9 +330,9 @@ def done(
     Raises:
       RuntimeError: the last ``max_skip_streak`` updates were all skipped, or
         the last ``max(max_early_skip_streak, applied updates)``; or an
-        accumulated update was skipped because ``update`` was given gradients other
-        than those :func:`value_and_grad` measured (``skipped_altered_grads_steps``:
-        a transformation chained before AdaScale changed them).
+        update was skipped because ``update`` was given gradients other than those
+        :func:`value_and_grad` measured (``skipped_altered_grads_steps``: a
+        transformation chained before AdaScale changed them).
 
     Examples:
       >>> import jax.numpy as jnp, optax_adascale
@@ -390,13 +390,15 @@ def _raise_if_altered(s: AdaScaleState) -> None:
 ALTERED_GRADS = (
     "{altered} update(s) were skipped because update was given other gradients than the ones "
     "optax_adascale.value_and_grad measured (their squared norm differs from microbatch_stats' by more than 1 %): "
-    "a transformation chained before AdaScale changed them, e.g. optax.chain(optax.clip_by_global_norm(c), tx). "
-    "Without accumulation the statistics keep the gain right whatever is done to the gradients, but with "
-    "accumulation_steps > 1 or a BatchRamp AdaScale accumulates the gradients it is given, so the statistics would "
-    "describe other gradients (the gain sticks at S, grad_sqr at 0, and τ runs ahead). Clip inside AdaScale, on the "
-    "accumulated mean: optax_adascale.adascale(optax.chain(optax.clip_by_global_norm(c), inner), learning_rate, "
-    "accumulation_steps=...), e.g. inner = optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd)) for "
-    "AdamW, optax.trace(0.9) for SGD with momentum."
+    "a transformation chained before AdaScale changed them, e.g. optax.chain(optax.clip_by_global_norm(c), tx), "
+    "or a pmean/psum of the gradients before update. AdaScale takes the squared norm of the mean gradient from the "
+    "gradients it is given (per replica, data_axes=None: always; from the GSPMD drop-in: when it accumulates, with "
+    "accumulation_steps > 1 or a BatchRamp) and the samples' from the statistics, so the two would describe "
+    "different gradients (a clip inflates the variance and the gain with it; accumulated, the gain sticks at S, "
+    "grad_sqr at 0, and τ runs ahead). Clip inside AdaScale, on the averaged gradient: "
+    "optax_adascale.adascale(optax.chain(optax.clip_by_global_norm(c), inner), learning_rate, ...), e.g. "
+    "inner = optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd)) for AdamW, optax.trace(0.9) for SGD "
+    "with momentum."
 )
 
 

@@ -75,7 +75,8 @@ class AllReduce:
             mean, a, b = _collect.reduce_statistics(
                 local_grads, local_sq, shape.axes, shape.groups, samples.weights, samples.mean_sq
             )
-        return _step.apply(update, shape, mean, a, b, state, params, extra_args)
+        new_updates, new_state = _step.apply(update, shape, mean, a, b, state, params, extra_args)
+        return new_updates, _samples.count_altered(a, state, new_state)
 
 
 # --------------------------------------------------------------------------- ZeRO rows
@@ -189,6 +190,7 @@ def _row_step(update: _step.Update, shape: _step.Shape, mean, local_sq, state, p
         **{_clock.SUMS: _tensor.sums_fn(model, axis)},
     )
     row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra)
+    new_state = _samples.count_altered(a, shard_state, new_state)
     new_rows = jax.tree.map(
         lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
         new_state.inner_state,
