@@ -74,11 +74,13 @@ class BaseSteps(NamedTuple):
         ``param_labels`` a tree of scalars shaped like the gradients (each leaf its group's gain).
       learning_rate: float32 ``[]``, ``lr(⌊τ⌋)``: the step AdaScale applies is ``−r·lr·inner(ḡ)``.
       noise: float32 ``[]``, ``σ̄²/S``: the expected ``‖ḡ − ∇L‖²`` of this update's gradient (0 with one sample).
+      last_step: the step ``r·lr`` of the last applied update (0 before the first), shaped as ``gain``.
     """
 
     gain: Any
     learning_rate: Any
     noise: Any
+    last_step: Any = 0.0
 
 
 def required(extra_args: dict[str, Any], who: str) -> BaseSteps:
@@ -96,7 +98,7 @@ def required(extra_args: dict[str, Any], who: str) -> BaseSteps:
 
 def probe_args() -> dict[str, Any]:
     """The keyword for running ``inner`` outside an update (the stand-in checks): an update worth one base step."""
-    return {KEYWORD: BaseSteps(jnp.float32(1), jnp.float32(0), jnp.float32(0))}
+    return {KEYWORD: BaseSteps(jnp.float32(1), jnp.float32(0), jnp.float32(0), jnp.float32(0))}
 
 
 def _per_leaf(gain: Any, updates: Any) -> list[Array]:
@@ -139,24 +141,11 @@ def _mix(a: Array, x: Array, b: Array, y: Array, out: Any = None) -> Array:
     return (a * x.astype(wide) + b * y.astype(wide)).astype(_wide(x, y, least=None) if out is None else out)
 
 
-class PerLeaf(NamedTuple):
-    """One float32 ``[]`` per leaf of the params, in their flattening order: scalars that placement and the ZeRO
-    rows leave replicated (a tree shaped like the params would be laid out like them)."""
-
-    values: tuple[Array, ...]
-
-
-def _per_leaf_zeros(params: Any) -> PerLeaf:
-    return PerLeaf(tuple(jnp.zeros([], jnp.float32) for _ in jax.tree.leaves(params)))
-
-
 class TraceState(NamedTuple):
     """State of :func:`trace`: the momentum and what its stability guard measured along the last step.
 
     Attributes:
       trace: the momentum ``m``, shaped like the params (optax's ``TraceState.trace``).
-      steps: :class:`PerLeaf`: each leaf's step ``η = r·lr`` of the last update (0 before the first); the last
-        step moved the parameters by ``−η·v`` (``v`` the trace's output).
       slope: float32 ``[]``, ``Σ η·(u·m)``: the update's input ``u`` along the last step, per its own step.
       reach: float32 ``[]``, ``Σ η²·(v·m)``: the last step's squared length along ``m``.
       noise: float32 ``[]``, the part of ``slope`` that is the gradient's noise (its expectation, ``σ̄²/S`` times
@@ -168,7 +157,6 @@ class TraceState(NamedTuple):
     """
 
     trace: Any
-    steps: Any
     slope: Array
     reach: Array
     noise: Array
@@ -222,7 +210,6 @@ def trace(
         zero = lambda: jnp.zeros([], jnp.float32)  # noqa: E731 - a fresh buffer per field (donation)
         return TraceState(
             trace=plain.init(params).trace,
-            steps=_per_leaf_zeros(params),
             slope=zero(),
             reach=zero(),
             noise=zero(),
@@ -256,7 +243,7 @@ def trace(
             new_m.append(m_new)
             out.append(_mix(weight, g, keep, m_new) if nesterov else m_new)
             weights.append(weight)
-        old_steps = state.steps.values
+        old_steps = _per_leaf(steps.last_step, updates)  # the last update moved the params by −η·v
         new_steps = [r * lr for r in gains]
         products = _norms.leaf_dots(
             [pair for g, mn, o in zip(leaves, new_m, out, strict=True) for pair in ((g, mn), (o, mn))]
@@ -274,8 +261,8 @@ def trace(
         # E[(ξ_t − ξ_{t+1})·m_t] = weight·E‖ξ_t‖²: the noise the next secant subtracts (the smallest leaf's share)
         step_weight = jnp.min(jnp.stack([e * w for e, w in zip(new_steps, weights, strict=True)]))
         noise = step_weight * jnp.asarray(steps.noise, jnp.float32)
-        scalars = (PerLeaf(tuple(new_steps)), slope, reach, noise, curvature)
-        old_scalars = (state.steps, state.slope, state.reach, state.noise, state.curvature)
+        scalars = (slope, reach, noise, curvature)
+        old_scalars = (state.slope, state.reach, state.noise, state.curvature)
         scalars = _keeps_state.kept(taken, scalars, old_scalars)
         new_trace = optax.tree.cast(treedef.unflatten(new_m), accumulator_dtype)
         new_state = TraceState(new_trace, *scalars, state.decay, state.nesterov)
@@ -375,8 +362,8 @@ class ScaleByAdamState(NamedTuple):
 
     Attributes:
       count: int32 ``[]``, updates applied (optax's field).
-      base_steps: :class:`PerLeaf`: the base-batch steps each leaf's averages have seen (the sum of the gains of
-        the updates applied), which Adam's debiasing ``1 − β^τ`` reads.
+      base_steps: float32 ``[]``: the base-batch steps the averages have seen (the sum of the gains of the updates
+        applied), which Adam's debiasing ``1 − β^τ`` reads.
       mu: the first moment (optax's field).
       nu: the second moment (optax's field).
     """
@@ -434,46 +421,52 @@ def scale_by_adam(
 
     def init_fn(params):
         base = plain.init(params)
-        return ScaleByAdamState(count=base.count, base_steps=_per_leaf_zeros(params), mu=base.mu, nu=base.nu)
+        return ScaleByAdamState(count=base.count, base_steps=jnp.zeros([], jnp.float32), mu=base.mu, nu=base.nu)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params
         steps = required(extra_args, "optax_adascale.scale_by_adam")
         taken = extra_args.get(_keeps_state.TAKEN)
         leaves, treedef = jax.tree.flatten(updates)
-        gains = _per_leaf(steps.gain, updates)
+        if jnp.ndim(steps.gain) != 0 or isinstance(steps.gain, (dict, list, tuple)):
+            raise ValueError(
+                "optax_adascale.scale_by_adam counts one clock of base-batch steps for all its averages (its "
+                "debiasing reads it), but with param_labels each group has its own gain. Use clock='update' with "
+                "param_labels (adascale_adamw(..., clock='update', param_labels=...)), or no param_labels."
+            )
+        r = jnp.asarray(steps.gain, jnp.float32)
         mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-        seen = state.base_steps.values
+        tau_new = state.base_steps + r
+        one = r == 1  # optax's own arithmetic, bit for bit (n = S = 1 runs Adam through here)
+        keep1, fresh1 = _powers(b1, r)
+        keep2, fresh2 = _powers(b2, r)
+        keep1, fresh1 = jnp.where(one, jnp.float32(b1), keep1), jnp.where(one, jnp.float32(1 - b1), fresh1)
+        keep2, fresh2 = jnp.where(one, jnp.float32(b2), keep2), jnp.where(one, jnp.float32(1 - b2), fresh2)
         count = optax.safe_increment(state.count)
-        new_mu, new_nu, new_seen, out = [], [], [], []
-        for g, m, v, tau, r in zip(leaves, mus, nus, seen, gains, strict=True):
-            one = r == 1  # optax's own arithmetic, bit for bit (n = S = 1 runs Adam through here)
-            keep1, fresh1 = _powers(b1, r)
-            keep2, fresh2 = _powers(b2, r)
-            keep1, fresh1 = jnp.where(one, jnp.float32(b1), keep1), jnp.where(one, jnp.float32(1 - b1), fresh1)
-            keep2, fresh2 = jnp.where(one, jnp.float32(b2), keep2), jnp.where(one, jnp.float32(1 - b2), fresh2)
+        # while every update was worth one base step, τ is the update count: optax's 1 − β^count exactly
+        counted = tau_new == count.astype(jnp.float32)
+        debias1 = jnp.where(counted, _optax_debias(b1, count), -jnp.expm1(tau_new * log1))
+        debias2 = jnp.where(counted, _optax_debias(b2, count), -jnp.expm1(tau_new * log2))
+        if nesterov:
+            after = _optax_debias(b1, optax.safe_increment(count))
+            after = jnp.where(counted, after, -jnp.expm1((tau_new + r) * log1))
+        scale = jnp.where(one, jnp.float32(1), lax.rsqrt(r))
+        new_mu, new_nu, out = [], [], []
+        for g, m, v in zip(leaves, mus, nus, strict=True):
             m_new = _keeps_state.kept(taken, _mix(fresh1, g, keep1, m), m)
             v_new = _keeps_state.kept(taken, _mix(fresh2, jnp.square(jnp.abs(g)), keep2, v), v)
-            tau_new = tau + r
-            # while every update was worth one base step, τ is the update count: optax's 1 − β^count exactly
-            counted = tau_new == count.astype(jnp.float32)
-            debias1 = jnp.where(counted, _optax_debias(b1, count), -jnp.expm1(tau_new * log1))
-            debias2 = jnp.where(counted, _optax_debias(b2, count), -jnp.expm1(tau_new * log2))
             if nesterov:
-                after = _optax_debias(b1, optax.safe_increment(count))
-                after = jnp.where(counted, after, -jnp.expm1((tau_new + r) * log1))
                 m_hat = _mix(keep1 / after, m_new, fresh1 / debias1, g, _wide(m_new, g))
             else:
                 m_hat = m_new.astype(_wide(m_new)) / debias1
             direction = m_hat / (jnp.sqrt(v_new.astype(_wide(v_new)) / debias2 + eps_root) + eps)
-            out.append((direction * jnp.where(one, jnp.float32(1), lax.rsqrt(r))).astype(g.dtype))
+            out.append((direction * scale).astype(g.dtype))
             new_mu.append(m_new)
             new_nu.append(v_new)
-            new_seen.append(_keeps_state.kept(taken, tau_new, tau))
         mu, nu = treedef.unflatten(new_mu), treedef.unflatten(new_nu)
         new_state = ScaleByAdamState(
             count=_keeps_state.kept(taken, count, state.count),
-            base_steps=PerLeaf(tuple(new_seen)),
+            base_steps=_keeps_state.kept(taken, tau_new, state.base_steps),
             mu=optax.tree.cast(mu, mu_dtype) if mu_dtype is not None else optax.tree.cast_like(mu, state.mu),
             nu=optax.tree.cast_like(nu, state.nu),
         )

@@ -132,16 +132,22 @@ def _learning_rates(
     return stats, lr, step_size, group_steps, finite, finite & (lr < 0)
 
 
-def _base_steps(shape: Shape, stats: _Statistics, lr: Array, grads: Any) -> _clock.BaseSteps:
+def _base_steps(shape: Shape, stats: _Statistics, lr: Array, grads: Any, state: Any) -> _clock.BaseSteps:
     """What this update tells an ``inner`` that counts base steps: its gain (each leaf its group's, with labels),
-    ``lr(⌊τ⌋)``, and the expected squared norm ``σ̄²/S`` of the averaged gradient's noise."""
+    ``lr(⌊τ⌋)``, the expected squared norm ``σ̄²/S`` of the averaged gradient's noise, and the last applied update's
+    step ``r·lr`` (the state's). The noise reads the averages through the last update: an input of the program, so
+    every program that reaches the same state reads the same bits (this step's average is recomputed where it is
+    fused, 1 ulp apart between an accumulation and a ramp pinned at the same ``k``)."""
     groups = shape.groups
     gain: Any = stats.gain
+    last: Any = state.gain * state.base_lr
     if groups.labels is not None:
         leaves, treedef = jax.tree.flatten(grads)
         gain = treedef.unflatten([stats.group_gains[g] for g in groups.leaf_group])
-    noise = jnp.sum(stats.grad_var) / jnp.asarray(shape.S, jnp.float32)
-    return _clock.BaseSteps(gain=gain, learning_rate=lr, noise=noise)
+        last_gains = groups.unpack(state.group_gains)
+        last = treedef.unflatten([last_gains[g] * state.base_lr for g in groups.leaf_group])
+    noise = jnp.sum(groups.unpack(state.grad_var)) / jnp.asarray(shape.S, jnp.float32)
+    return _clock.BaseSteps(gain=gain, learning_rate=lr, noise=noise, last_step=last)
 
 
 def _scale_updates(leaves: list[Array], steps: Array, leaf_group: tuple[int, ...], ok: Array) -> list[Array]:
@@ -175,7 +181,7 @@ def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_a
     # inner's update reads the state the skip keeps: selecting after inner made XLA copy every donated state buffer
     # (Adam's μ and ν) before writing it in place (_inner's docstring says how each inner avoids it).
     with jax.named_scope("adascale/inner"):
-        inner_args = dict(extra_args, **{_clock.KEYWORD: _base_steps(shape, stats, lr, mean_grads)})
+        inner_args = dict(extra_args, **{_clock.KEYWORD: _base_steps(shape, stats, lr, mean_grads, state)})
         inner_updates, kept_inner_state = _inner.run(
             update.inner, ok, mean_grads, state.inner_state, params, inner_args
         )
