@@ -326,6 +326,10 @@ def after_update(ramp: BatchRamp, state: RampState, inputs: RampInputs, applied:
     same_way = jnp.sign(state.streak) == direction
     streak = jnp.where(direction == 0, 0, jnp.where(same_way, state.streak, 0) + direction * samples)
     move = applied & (jnp.abs(streak) >= ramp.patience)
+    if ramp.policy is None:  # the measured target: one rung a move (a noisy estimate never jumps the ladder)
+        at = jnp.argmax(ladder == k)
+        up = ladder[jnp.minimum(at + 1, len(ramp.ladder) - 1)]
+        down = ladder[jnp.maximum(at - 1, 0)]
     return state._replace(
         microbatches=jnp.where(move, jnp.where(wants_up, up, down), k).astype(jnp.int32),
         streak=jnp.where(applied & ~move, streak, jnp.where(move, 0, state.streak)).astype(jnp.int32),
