@@ -118,13 +118,18 @@ def leaf_dots(pairs: Sequence[tuple[Array, Array]]) -> list[Array]:
 
     for i, (x, y) in enumerate(pairs):
         size, dtype = int(jnp.size(x)), dtype_of(x, y)
-        if size > SMALL_LEAF or size <= 1:
+        # reduced alone: a large leaf, a scalar, and an array split on an Explicit mesh axis (jnp.ravel refuses it)
+        if size > SMALL_LEAF or size <= 1 or _split_explicitly(x) or _split_explicitly(y):
             out[i] = jnp.sum(products(x.astype(dtype), y.astype(dtype))).astype(STAT_DTYPE)
             continue
         width = 1 << (size - 1).bit_length()
         axes = (_compat.varying_axes(x), _compat.varying_axes(y))
         buckets.setdefault((dtype, width, axes), []).append(i)
     for (dtype, width, _), members in buckets.items():
+        if len(members) == 1:
+            (i,) = members
+            out[i] = jnp.sum(products(pairs[i][0].astype(dtype), pairs[i][1].astype(dtype))).astype(STAT_DTYPE)
+            continue
         rows = [
             jnp.stack(
                 [
@@ -138,6 +143,12 @@ def leaf_dots(pairs: Sequence[tuple[Array, Array]]) -> list[Array]:
         for j, i in enumerate(members):
             out[i] = sums[j]
     return out  # type: ignore[return-value]
+
+
+def _split_explicitly(x: Array) -> bool:
+    """Whether ``x``'s type names a mesh axis it is split on (sharding in types: an Explicit mesh axis)."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec is not None and any(axis is not None for axis in spec)
 
 
 def low_precision(x: Array) -> bool:
