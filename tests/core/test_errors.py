@@ -22,6 +22,7 @@ from helpers import bits_equal, replica_grads, replica_update
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
+from optax_adascale.core import _clock
 
 N = 4
 PARAMS = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]]), "b": jnp.array([0.5, -0.5])}
@@ -558,8 +559,10 @@ def test_non_finite_gradient_in_one_replica_skips_the_step_on_every_replica(bad)
 
 
 def _adam(state):
-    """The ``ScaleByAdamState`` (count, μ, ν) inside an AdaScale state's inner state."""
-    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    """The ``ScaleByAdamState`` (count, μ, ν) inside an AdaScale state's inner state: optax's, or the τ clock's
+    (``core._clock.ScaleByAdamState``, which also counts the base steps its averages have seen)."""
+    kinds = (optax.ScaleByAdamState, _clock.ScaleByAdamState)
+    is_adam = lambda x: isinstance(x, kinds)  # noqa: E731
     return next(x for x in jax.tree.leaves(state.inner_state, is_leaf=is_adam) if is_adam(x))
 
 
@@ -604,6 +607,8 @@ def test_adamw_keeps_adams_state_on_a_skip_and_updates_it_on_a_taken_step(transf
     # The alias's Adam runs on the τ clock: an update of gain r averages with β^r (core/_clock.py); optax's per update.
     r = float(optax_adascale.metrics(taken)["gain"]) if inner == "adascale_adamw" else 1.0
     c1, c2 = b1**r, b2**r
+    if inner == "adascale_adamw":  # τ advances by the applied gain, and so does the count Adam debiases with
+        np.testing.assert_allclose(after.base_steps, before.base_steps + r, rtol=1e-6)
     for name in PARAMS:
         np.testing.assert_allclose(after.mu[name], c1 * before.mu[name] + (1 - c1) * mean[name], rtol=3e-5)
         np.testing.assert_allclose(after.nu[name], c2 * before.nu[name] + (1 - c2) * mean[name] ** 2, rtol=3e-5)
