@@ -57,16 +57,30 @@ def decide(ramp, k, noise_scale, *, streak=0, applied=True, per_microbatch=2):
     ("noise_scale", "expected"),
     [(0.0, 1), (10.0, 1), (30.0, 2), (60.0, 2), (70.0, 4), (130.0, 4), (140.0, 8), (280.0, 16), (np.inf, 16)],
 )
+def _walk(ramp, k, noise_scale, per_microbatch=2):
+    """The rungs the measured controller visits from ``k`` under a steady noise scale, one decision each."""
+    path = [k]
+    for _ in range(8):
+        k = decide(ramp, k, noise_scale, per_microbatch=per_microbatch)[0]
+        if k == path[-1]:
+            return path
+        path.append(k)
+    return path
+
+
 def test_the_measured_target_from_one_rung_is_the_largest_rung_within_the_efficiency(noise_scale, expected):
-    # k* by hand: B = 10 → 1.11, 30 → 2.22, 60 → 3.89, 70 → 4.44, 130 → 7.78, 140 → 8.33, 280 → 16.1.
+    # k* by hand: B = 10 → 1.11, 30 → 2.22, 60 → 3.89, 70 → 4.44, 130 → 7.78, 140 → 8.33, 280 → 16.1. The controller
+    # walks there one rung a decision (a noisy estimate never jumps the ladder): 1 → 2 → 4 → … → the target.
     ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.9, patience=1)
-    assert decide(ramp, 1, noise_scale)[0] == expected
+    path = _walk(ramp, 1, noise_scale)
+    assert path[-1] == expected
+    assert path == [r for r in ramp.ladder if r <= expected]  # every rung on the way, none skipped
 
 
 def test_the_critical_batch_efficiency_one_half_targets_b_plus_two():
     ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.5, patience=1)
-    assert decide(ramp, 1, 6.0, per_microbatch=1)[0] == 8  # S* = 6 + 2 = 8
-    assert decide(ramp, 1, 5.9, per_microbatch=1)[0] == 4  # S* = 7.9
+    assert _walk(ramp, 1, 6.0, per_microbatch=1)[-1] == 8  # S* = 6 + 2 = 8
+    assert _walk(ramp, 1, 5.9, per_microbatch=1)[-1] == 4  # S* = 7.9
 
 
 @pytest.mark.parametrize(
