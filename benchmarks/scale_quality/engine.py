@@ -25,9 +25,9 @@ NUM_EVALS = 10
 METHODS = {
     "paper": "the paper's and FairScale's placement: the momentum decays per update, the gain multiplies it "
     '(`clock="update"`; AdamW: the gain multiplies the Adam step)',
-    "tau": "the τ clock without its stability guard (0.3's `clock=\"tau\"`): the momentum decays by β^r per update "
+    "tau": 'the τ clock without its stability guard (0.3\'s `clock="tau"`): the momentum decays by β^r per update '
     "worth r base steps; AdamW: β₁^r, β₂^r and the step √r·lr",
-    "guarded": "the τ clock with its stability guard (0.4's default, `clock=\"tau\"`): the gain capped where the "
+    "guarded": 'the τ clock with its stability guard (0.4\'s default, `clock="tau"`): the gain capped where the '
     "step would pass half the stability limit along the curvature the momentum measured (SGD only; AdamW's τ clock "
     "has no guard, so its `tau` cells are its default)",
     "gain_before": "the gain before the buffer: `chain(adascale(identity), trace(β))`, each gradient enters at its own "

@@ -328,7 +328,7 @@ def after_update(ramp: BatchRamp, state: RampState, inputs: RampInputs, applied:
     move = applied & (jnp.abs(streak) >= ramp.patience)
     if ramp.policy is None:  # the measured target: one rung a move (a noisy estimate never jumps the ladder)
         at = jnp.argmax(ladder == k)
-        up = ladder[jnp.minimum(at + 1, len(ramp.ladder) - 1)]
+        up = ladder[jnp.minimum(at + 1, ladder.shape[0] - 1)]
         down = ladder[jnp.maximum(at - 1, 0)]
     return state._replace(
         microbatches=jnp.where(move, jnp.where(wants_up, up, down), k).astype(jnp.int32),
