@@ -52,11 +52,6 @@ def decide(ramp, k, noise_scale, *, streak=0, applied=True, per_microbatch=2):
     return int(new.microbatches), int(new.streak)
 
 
-# B → S* = (B + 1)/0.9 − B = B/9 + 10/9 → k* = S*/2 (two samples per micro-batch step) → the largest rung ≤ k*.
-@pytest.mark.parametrize(
-    ("noise_scale", "expected"),
-    [(0.0, 1), (10.0, 1), (30.0, 2), (60.0, 2), (70.0, 4), (130.0, 4), (140.0, 8), (280.0, 16), (np.inf, 16)],
-)
 def _walk(ramp, k, noise_scale, per_microbatch=2):
     """The rungs the measured controller visits from ``k`` under a steady noise scale, one decision each."""
     path = [k]
@@ -68,6 +63,11 @@ def _walk(ramp, k, noise_scale, per_microbatch=2):
     return path
 
 
+# B → S* = (B + 1)/0.9 − B = B/9 + 10/9 → k* = S*/2 (two samples per micro-batch step) → the largest rung ≤ k*.
+@pytest.mark.parametrize(
+    ("noise_scale", "expected"),
+    [(0.0, 1), (10.0, 1), (30.0, 2), (60.0, 2), (70.0, 4), (130.0, 4), (140.0, 8), (280.0, 16), (np.inf, 16)],
+)
 def test_the_measured_target_from_one_rung_is_the_largest_rung_within_the_efficiency(noise_scale, expected):
     # k* by hand: B = 10 → 1.11, 30 → 2.22, 60 → 3.89, 70 → 4.44, 130 → 7.78, 140 → 8.33, 280 → 16.1. The controller
     # walks there one rung a decision (a noisy estimate never jumps the ladder): 1 → 2 → 4 → … → the target.
@@ -262,8 +262,12 @@ def test_a_ramp_pinned_at_k_is_accumulation_steps_k(factory, clock, k):
         _every_call(make(accumulation_steps=steps), 40) for steps in (k, optax_adascale.BatchRamp(k, k))
     )
     assert int(s1[-1].count) == 40 // k and int(s1[-1].tau_whole) > 10  # the schedule moved
+    # JAX 0.10's XLA:CPU (at the tests' -O0) rounds AdamW's parameter update −r·lr·(r^(−½)·d + wd·p) 1 ulp apart in the
+    # two programs from the third update on (not with wd = 0, on the update clock, or on JAX 0.12), and the params feed
+    # the next gradients: there both runs are held to float32 rounding (rtol 1e-6), as at k = 3.
+    rounding = factory == "adamw" and tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
     for call in range(40):  # after every call, not only the last (a field rewritten each update hides a drift)
-        if k & (k - 1) == 0:
+        if k & (k - 1) == 0 and not rounding:
             assert bits_equal(p1[call], p2[call]), call
             assert bits_equal(s1[call], s2[call]), call
         else:
