@@ -235,6 +235,15 @@ def _conform(source: Any, target: Any) -> Any:
                 "are kept per group, so they cannot be carried between a labelled and an unlabelled "
                 "configuration, or between different labels. Use the same param_labels in both."
             )
+        clock_keys = {"slope", "reach", "curvature", "base_steps"}  # the τ clock's state fields (0.4.0's defaults)
+        moved = {n for k in set(src) ^ {key(p) for p, _ in tgt} for n in k} & clock_keys
+        if moved:
+            raise ValueError(
+                "the inner transformations of opt_state and target differ in structure: one of them runs on the τ "
+                f"clock (its state has {sorted(moved)}) and the other on the update clock. A checkpoint of 0.3 "
+                "(adascale_sgd's default then, or adascale_adamw with clock='update') restores into a "
+                "transformation built with clock='update'; 0.4.0's default for both aliases is clock='tau'."
+            )
         raise ValueError("the inner transformations of opt_state and target differ in structure")
 
     def place(value, like):

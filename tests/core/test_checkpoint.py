@@ -365,6 +365,9 @@ def test_a_0_2_0_checkpoint_restores_and_continues_with_the_new_default_estimato
     # clock="update": 0.2.0's inner state is optax.TraceState (its momentum per update); the default τ clock's
     # TraceState holds the guard's scalars besides, so the state moves only into the update clock's (what this test
     # is about is the checkpoint's format and the estimator's averages, not the clock).
+    default = Replicas("vmap", 4, make_tx(SCHEDULE, axis_name=AXIS))
+    with pytest.raises(ValueError, match="clock='update'"):  # into 0.4.0's default: refused, naming the fix
+        optax_adascale.transfer_state(raw["opt_state"], default.init(init_params())[1])
     new = Replicas("vmap", 4, make_tx(SCHEDULE, axis_name=AXIS, clock="update"))
     resumed = optax_adascale.transfer_state(raw["opt_state"], new.init(init_params())[1])
     before = optax_adascale.get_adascale_state(resumed)
