@@ -91,7 +91,9 @@ def make_step(variant: str, model: models.Model, k: int, shards: int = 4):
     if variant == "sgd":
         tx = optax.sgd(0.1, momentum=0.9)
     else:
-        tx = optax_adascale.adascale_sgd(0.1, momentum=0.9)
+        tx = optax_adascale.adascale_sgd(
+            0.1, momentum=0.9, clock="update"
+        )  # optax.sgd's arithmetic: the drop-in's cost
     # param_specs (0.4) keeps an Auto mesh's layout; an older optax_adascale (a "before" run) has no such keyword
     takes_specs = "param_specs" in inspect.signature(optax_adascale.value_and_grad).parameters
     specs = {"param_specs": model.specs} if model.auto and takes_specs else {}

@@ -227,15 +227,21 @@ def trace(
         olds = treedef.flatten_up_to(state.trace)
         gains = _per_leaf(steps.gain, updates)
         lr = jnp.asarray(steps.learning_rate, jnp.float32)
-        # The guard's measurements: the secant along the last step −η·v (``m`` its probe), from dot products over
-        # the buffers this update reads anyway (the new gradient u, the old and new trace, the output). The new
-        # trace is selected on a predicate that reads the dot with the old one: the old buffer is read before the
-        # new one is written over it (a donated state is updated in place, not copied).
-        crossed_local = _norms.leaf_dots(list(zip(leaves, olds, strict=True)))
-        read = jnp.all(jnp.stack([(d == d) | (d != d) for d in crossed_local]))  # always True, after the reads
+        # The guard's measurements: the secant along the last step −η·v (``m`` its probe), from three dot products
+        # per leaf over the buffers this update reads before it writes (the new gradient u and the old trace m):
+        # d = u·m, e = ‖u‖², q = ‖m‖². What the next secant needs of the new trace follows from them exactly
+        # (m' = k·m + w·u: u·m' = k·d + w·e, ‖m'‖² = k²q + 2kw·d + w²e), so every sum is taken in one stage before the
+        # update (one collective where one is needed), each pair in its own fused multiply-reduce (no stacked copies
+        # of state buffers), and the new trace, selected on a predicate that reads them, is written over the old one
+        # in place (a donated state is not copied).
+        parts = _norms.leaf_dots(
+            [pair for g, m in zip(leaves, olds, strict=True) for pair in ((g, m), (g, g), (m, m))], stacked=False
+        )
+        read = jnp.all(jnp.stack([(x == x) | (x != x) for x in parts]))  # always True, after the reads
         taken_after = read if taken is None else taken & read
-        new_m, out, weights = [], [], []
-        for g, m, r in zip(leaves, olds, gains, strict=True):
+        old_steps = _per_leaf(steps.last_step, updates)  # the last update moved the params by −η·v
+        new_m, out, weights, local = [], [], [], []
+        for i, (g, m, r, eta_old) in enumerate(zip(leaves, olds, gains, old_steps, strict=True)):
             keep, fresh = _powers(decay, r)
             weight = jnp.where(r == 1, jnp.float32(1), fresh / jnp.float32(one_minus))
             keep = jnp.where(r == 1, jnp.float32(decay), keep)
@@ -243,17 +249,14 @@ def trace(
             new_m.append(m_new)
             out.append(_mix(weight, g, keep, m_new) if nesterov else m_new)
             weights.append(weight)
-        old_steps = _per_leaf(steps.last_step, updates)  # the last update moved the params by −η·v
+            d, e, q = parts[3 * i], parts[3 * i + 1], parts[3 * i + 2]
+            slope_l = keep * d + weight * e  # u·m'
+            sq_new = keep * keep * q + 2 * keep * weight * d + weight * weight * e  # ‖m'‖²
+            along = weight * slope_l + keep * sq_new if nesterov else sq_new  # v·m'
+            eta = r * lr
+            local.append(jnp.stack([eta_old * d, eta * slope_l, eta * eta * along]))
         new_steps = [r * lr for r in gains]
-        products = _norms.leaf_dots(
-            [pair for g, mn, o in zip(leaves, new_m, out, strict=True) for pair in ((g, mn), (o, mn))]
-        )
-        dots = sums(
-            [
-                jnp.stack([s * d, e * products[2 * i], e * e * products[2 * i + 1]])
-                for i, (s, e, d) in enumerate(zip(old_steps, new_steps, crossed_local, strict=True))
-            ]
-        )
+        dots = sums(local)
         crossed, slope, reach = dots[0], dots[1], dots[2]
         curvature = (state.slope - crossed - state.noise) / jnp.where(state.reach > 0, state.reach, 1.0)
         measured = (state.reach > 0) & jnp.isfinite(curvature)

@@ -12,6 +12,7 @@ import optax
 from jax import lax
 
 from optax_adascale import _compat
+from optax_adascale.core import _clock
 from optax_adascale.core._axes import ModelAxes
 from optax_adascale.core._norms import STAT_DTYPE, leaf_sq_norm
 from optax_adascale.sharding import _stand_in
@@ -94,7 +95,7 @@ def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any, 
     in_axes = treedef.unflatten([0 if s else None for s in split])
 
     def piece(g, p):
-        return inner.update(g, inner.init(p), p, adascale_sq_norm=sq_norm_fn(treedef, probe))[0]
+        return inner.update(g, inner.init(p), p, adascale_sq_norm=sq_norm_fn(treedef, probe), **_clock.probe_args())[0]
 
     def pieces(full_p: Any, whole_of):
         cut_p = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_p), split, strict=True)])
