@@ -15,12 +15,12 @@ from optax_adascale.gspmd._table import Kind
 def mixes(kind: Kind, eqn, rows: list[frozenset[int]]) -> str | None:
     """What in ``eqn`` (of class ``kind``) mixes the rows, or ``None``. ``rows[i]``: the dimensions of operand ``i``
     that index rows of the batch."""
-    name = eqn.primitive.name
+    name = _compat.primitive_name(eqn)
     every = frozenset().union(*rows)
     if kind is Kind.ELEMENTWISE:  # element i reads element i of each (broadcast) operand
         return None
     if kind is Kind.ALONG:  # concatenate, a multi-operand sort
-        rank = len(getattr(eqn.invars[0].aval, "shape", ()))
+        rank = len(getattr(_compat.traced_type(_compat.inputs(eqn)[0]), "shape", ()))
         return f"{name} along the rows" if set(_compat.along_dims(eqn, rank)) & every else None
     if kind is Kind.WINDOW and name == "conv_general_dilated":
         lhs_batch, _, groups = _compat.conv_batch(eqn)
