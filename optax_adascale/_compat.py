@@ -11,7 +11,7 @@ jaxpr itself is exactly this, and nothing else:
   rule, and the rule reads it through :func:`primitive_name`, :func:`inputs`, :func:`outputs`,
   :func:`multiple_results`, :func:`traced_type` and the readers of its parameters by meaning (:func:`scan_params`,
   :func:`contraction_dims`, ...), and binds it again through :func:`bind` (custom calls: :func:`custom_call`).
-  ``grep -n "eqn\.\|\.bind(" optax_adascale/gspmd/`` finds nothing;
+  ``grep -n "eqn\.\|\.bind(" optax_adascale/gspmd/`` finds only the calls of :func:`bind` itself;
 * a jaxpr's variable lists ``invars``, ``outvars`` and ``constvars`` (public fields of ``jax.extend.core.Jaxpr``),
   whose variables it uses only as dictionary keys and counts and tests with :func:`is_literal`: which input of the
   traced loss is which parameter is what the interpreter must know of a jaxpr besides its equations;
