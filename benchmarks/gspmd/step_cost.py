@@ -7,6 +7,7 @@ gradient (``passes``: extra bytes ÷ the bytes of the per-device unreduced gradi
 
     python -m benchmarks.gspmd.step_cost              # the test sizes of tests/gspmd/test_cost.py
     python -m benchmarks.gspmd.step_cost --size bench # the study's sizes (benchmarks/gspmd/__main__.py)
+    python -m benchmarks.gspmd.step_cost --models stack --ks 1 --rows 512   # what changes with the rows
 
 The output of this round, per JAX, is in step_cost.txt.
 """
@@ -53,15 +54,19 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="test")
     parser.add_argument("--models", nargs="+", default=["mlp_xent", "lm", "stack"])
     parser.add_argument("--layouts", nargs="+", default=["replicated", "FSDP", "TP×FSDP"])
+    parser.add_argument("--ks", nargs="+", type=int, default=[1, 2], help="micro-batches per step")
+    parser.add_argument("--rows", type=int, default=None, help="the batch's rows, in place of the size's")
     args = parser.parse_args()
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    print(f"JAX {jax.__version__}, sizes: {args.size}; ratios drop-in / user's own step (same-opt), [drop-in / sgd]")
+    rows = f", rows {args.rows}" if args.rows else ""
+    print(f"JAX {jax.__version__}, sizes: {args.size}{rows}; ratios drop-in / user's own step (same-opt), [/ sgd]")
     print(f"{'model':9s} {'layout':10s} k  {'flops':>16s}  {'bytes accessed':>16s}  passes (flops, bytes)  gates")
     failed = 0
     for name in args.models:
         for layout in args.layouts:
-            for k in (1, 2):
-                model = models.build(name, layout, unroll=True, **SIZES[args.size][name])
+            for k in args.ks:
+                sizes = {**SIZES[args.size][name], **({"rows": args.rows} if args.rows else {})}
+                model = models.build(name, layout, unroll=True, **sizes)
                 c = cost.step_cost(model, k, mesh=mesh)
                 ours, same, sgd = c["drop-in"], c["same-opt"], c["sgd"]
                 g = cost.step_cost_gates(c)
