@@ -67,8 +67,8 @@ def rebound(eqn: Any, evaluate: Any, trace_context: Any = contextlib.nullcontext
             ]
             return [*out_primals, *out_tangents]
 
-        subfuns = (fun, _compat.wrap_fun(jvp, like=call.subfuns[1]))
-        return lambda *xs: _compat.bind(eqn, xs, context=False, subfuns=subfuns)
+        jvp_subfuns = (fun, _compat.wrap_fun(jvp, like=call.subfuns[1]))
+        return lambda *xs: _compat.bind(eqn, xs, context=False, subfuns=jvp_subfuns)
     primal_types: list[Any] = []
 
     def fwd(*args):
