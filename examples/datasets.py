@@ -52,17 +52,17 @@ def mnist1d(num_samples: int = 10_000, cache_dir: Path | None = None) -> Arrays:
     return arrays
 
 
-def digits(val_fraction: float = 0.2, seed: int = 0) -> Arrays:
+def digits(val_fraction: float = 0.2, seed: int = 0, num_val: int | None = None) -> Arrays:
     """scikit-learn's 8×8 digits (1,797 images, 64 features in [0, 1]): ``{"x", "y", "x_test", "y_test"}``.
 
-    The held-out part is ``int(1797 · val_fraction)`` images chosen by ``default_rng(seed)``.
+    The held-out part is ``num_val`` images (default ``int(1797 · val_fraction)``) chosen by ``default_rng(seed)``.
     """
     from sklearn.datasets import load_digits
 
     data = load_digits()
     x, y = data.data / 16.0, data.target
     perm = np.random.default_rng(seed).permutation(len(x))
-    n_val = int(len(x) * val_fraction)
+    n_val = int(len(x) * val_fraction) if num_val is None else num_val
     val, train = perm[:n_val], perm[n_val:]
     return _as_arrays(x[train], y[train], x[val], y[val])
 

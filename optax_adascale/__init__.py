@@ -12,7 +12,7 @@ from optax_adascale._factories import adascale
 from optax_adascale._placement import replicate_buffers, state_axes, state_partition_specs, transfer_state
 from optax_adascale._state import batch_plan, done, get_adascale_state, metrics, scale_invariant_steps
 from optax_adascale.core._adascale import AdaScaleState
-from optax_adascale.core._clock import scale_by_adam, trace
+from optax_adascale.core._clock import BaseSteps, scale_by_adam, trace
 from optax_adascale.core._estimator import Estimator
 from optax_adascale.core._microbatch import value_and_microbatch_grad as value_and_microbatch_grad  # deprecated
 from optax_adascale.core._ramp import BatchRamp, RampInputs, RampState
@@ -28,10 +28,11 @@ from optax_adascale.tools._noise import NoiseScaleState, noise_scale_monitor
 _sys.modules[__name__ + ".goodput"] = goodput
 _sys.modules[__name__ + ".scaling_rules"] = scaling_rules
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = (
     "AdaScaleState",
+    "BaseSteps",
     "BatchRamp",
     "Estimator",
     "MicrobatchStats",

@@ -32,10 +32,10 @@ def _decayed_weights(weight_decay: Any) -> optax.GradientTransformation:
 
 TAU_CLOCK = "tau"
 UPDATE_CLOCK = "update"
-# Each alias's default clock, from benchmarks/scale_quality: AdamW's τ clock (√r·lr) kept every cell of the study
-# within noise where the update clock over-credited; SGD's τ-clock momentum removed the over-credit on three tasks
-# but lost quality on the byte LM (2× its tuned rate, and S = 32 in benchmarks/ramp), so SGD keeps the update clock.
-DEFAULT_CLOCK = {"sgd": UPDATE_CLOCK, "adamw": TAU_CLOCK}
+# Each alias's default clock, from benchmarks/scale_quality: the τ clock for both. AdamW's (√r·lr) kept every cell of
+# the study within noise where the update clock over-credited; SGD's, with the stability guard (core/_clock), removed
+# the update clock's over-credit without the losses near its stability limit that kept it off by default in 0.3.
+DEFAULT_CLOCK = {"sgd": TAU_CLOCK, "adamw": TAU_CLOCK}
 
 
 def _resolve_clock(clock: str | None, estimator: Any, default: str) -> str:
@@ -58,25 +58,29 @@ def adascale_sgd(
     accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
+    clock: str | None = None,
     **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around SGD with PyTorch's semantics (FairScale's ``AdaScale(SGD(...))``).
 
     ``weight_decay`` is added to the *averaged* gradient before momentum
-    (``d = ḡ + wd·p``; ``m ← μm + d``; Nesterov uses ``d + μm``) and is never
-    part of the gain statistics; the step is ``−r_t·lr(⌊τ_t⌋)·m``. It is
-    :func:`adascale` with ``inner = optax.chain(optax.add_decayed_weights(wd),
-    optax.trace(μ))``: SGD's keywords, the four AdaScale options most users set,
-    and any other keyword of :func:`adascale` (``param_labels``,
-    ``shard_optimizer_state``, ``delayed_gain``, ``param_specs``).
-    ``clock="tau"`` runs the momentum on the τ clock instead
-    (:func:`optax_adascale.trace`): an update worth ``r`` base-batch steps
-    decays the buffer by ``μ^r`` and adds ``d`` with the weight
-    ``(1 − μ^r)/(1 − μ)`` of ``r`` base steps. It removes the paper's
-    over-credit at large ``S`` where steps are far from the stability limit,
-    and loses quality near it (``benchmarks/scale_quality``;
-    ``docs/noise_scale.md``, "What the gain models"), so the default stays the
-    paper's and FairScale's ``clock="update"``.
+    (``d = ḡ + wd·p``) and is never part of the gain statistics; the step is
+    ``−r_t·lr(⌊τ_t⌋)·m``. It is :func:`adascale` with ``inner =
+    optax.chain(optax.add_decayed_weights(wd), trace(μ))``: SGD's keywords, the
+    four AdaScale options most users set, the clock, and any other keyword of
+    :func:`adascale` (``param_labels``, ``shard_optimizer_state``,
+    ``delayed_gain``, ``param_specs``).
+
+    The clock (``benchmarks/scale_quality``; ``docs/noise_scale.md``, "What the
+    gain models"): by default (``clock="tau"``) the momentum counts base-batch
+    steps (:func:`optax_adascale.trace`): an update worth ``r`` base steps
+    decays the buffer by ``μ^r`` and adds ``d`` with the weight ``(1 − μ^r)/(1 −
+    μ)`` of ``r`` base steps, and a stability guard caps the gain where the step
+    would pass half the stability limit along the curvature the momentum
+    measured, and lets it grow by at most 10 % an update. ``clock="update"`` is
+    0.3's, the paper's and FairScale's arithmetic (``m ← μm + d``, Nesterov ``d +
+    μm``, the gain times the whole step), which over-credits at large ``S``;
+    ``estimator="fairscale"`` implies it.
     ``optax.inject_hyperparams(adascale_sgd)(learning_rate=..., ...)`` needs no
     ``static_args`` (a learning-rate *schedule* does: ``static_args=("learning_rate",)``,
     so that it runs on ``τ``; ``accumulation_steps > 1`` too).
@@ -90,9 +94,9 @@ def adascale_sgd(
       accumulation_steps: as in :func:`adascale`.
       scale: as in :func:`adascale`.
       estimator: as in :func:`adascale`.
-      **options: any other keyword of :func:`adascale`, and ``clock``:
-        ``"update"`` (the default: the momentum decays per update, the paper's
-        and FairScale's arithmetic) or ``"tau"`` (it counts base-batch steps).
+      clock: ``None`` or ``"tau"`` (the guarded τ clock above; ``None`` means
+        ``"update"`` with ``estimator="fairscale"``) or ``"update"``.
+      **options: any other keyword of :func:`adascale`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -103,7 +107,7 @@ def adascale_sgd(
     Examples:
       >>> import jax.numpy as jnp
       >>> import optax_adascale
-      >>> tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, accumulation_steps=2)
+      >>> tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, accumulation_steps=2, clock="update")
       >>> params = jnp.zeros(2)
       >>> state = tx.init(params)
       >>> _, state = tx.update(jnp.array([1.0, 0.0]), state, params)
@@ -112,6 +116,11 @@ def adascale_sgd(
       Array(2., dtype=float32)
       >>> print(updates.round(6))  # the first momentum step is ḡ = (0.5, 0.5), times 2 · 0.1
       [-0.1 -0.1]
+      >>> tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, accumulation_steps=2)  # the default clock
+      >>> _, state = tx.update(jnp.array([1.0, 0.0]), tx.init(params), params)
+      >>> _, state = tx.update(jnp.array([0.0, 1.0]), state, params)
+      >>> optax_adascale.metrics(state)["gain"]  # the guard: the gain starts at 1 and grows ≤ 10 % an update
+      Array(1.1, dtype=float32)
 
     References:
       Johnson, Agrawal, Gu, Guestrin, `AdaScale SGD
@@ -123,7 +132,7 @@ def adascale_sgd(
     _checks.check_number("weight_decay", weight_decay, low=0.0)
     parts = [_decayed_weights(weight_decay)]
     options = _options.unwrap(options, "options")
-    clock = _resolve_clock(options.pop("clock", None), estimator, DEFAULT_CLOCK["sgd"])
+    clock = _resolve_clock(clock, estimator, DEFAULT_CLOCK["sgd"])
     if momentum is not None:
         trace = _clock.trace if clock == TAU_CLOCK else _keeps_state.trace
         parts.append(trace(decay=momentum, nesterov=nesterov))
@@ -153,6 +162,7 @@ def adascale_adamw(
     accumulation_steps: int | BatchRamp = 1,
     scale: float | None = None,
     estimator: Any = None,
+    clock: str | None = None,
     **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaScale around AdamW (experimental): ``optax.adamw``'s keywords, the gain from the raw gradients.
@@ -160,7 +170,7 @@ def adascale_adamw(
     ``inner = optax.chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype,
     nesterov=nesterov), optax.add_decayed_weights(weight_decay, mask))`` and the
     step is ``−r_t·lr(⌊τ_t⌋)·inner(ḡ)``. On the τ clock (``clock="tau"``, the
-    default since 0.4; :func:`optax_adascale.scale_by_adam`) an update worth
+    default since 0.4.0; :func:`optax_adascale.scale_by_adam`) an update worth
     ``r`` base-batch steps averages with ``b1^r`` and ``b2^r`` and Adam's
     direction is scaled by ``r^{−½}``: the Adam step is ``√r·lr`` (Adam already
     divides by the smaller noise of an ``S``-times larger batch, which makes
@@ -211,7 +221,7 @@ def adascale_adamw(
       [-0.001414 -0.001414]
     """
     options = _options.unwrap(options, "options")
-    clock = _resolve_clock(options.pop("clock", None), estimator, DEFAULT_CLOCK["adamw"])
+    clock = _resolve_clock(clock, estimator, DEFAULT_CLOCK["adamw"])
     adam = _clock.scale_by_adam if clock == TAU_CLOCK else _keeps_state.scale_by_adam
     inner = _keeps_state.keeps_state(
         optax.chain(

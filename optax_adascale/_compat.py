@@ -446,11 +446,17 @@ def reduced_dims(eqn: Any) -> tuple[int, ...]:
 def along_dims(eqn: Any, rank: int) -> tuple[int, ...]:
     """The dimensions an equation works along, of an operand of rank ``rank``: a cumulative op's or ``top_k``'s
     ``axis`` (``top_k`` before JAX 0.10: the last), ``sort``'s ``dimension``, ``rev``'s ``dimensions``,
-    ``concatenate``'s ``dimension``."""
+    ``concatenate``'s ``dimension``, ``split``'s and ``unstack``'s ``axis``, ``approx_top_k``'s
+    ``reduction_dimension``, ``fft``'s last ``len(fft_lengths)``; none of ``stack``'s operands' (its ``axis`` is a
+    new dimension of its output)."""
     p = eqn.params
+    if eqn.primitive.name == "stack":
+        return ()
     if "dimensions" in p:
         return tuple(p["dimensions"])
-    axis = p.get("axis", p.get("dimension", -1))
+    if "fft_lengths" in p:
+        return tuple(range(rank - len(p["fft_lengths"]), rank))
+    axis = p.get("axis", p.get("dimension", p.get("reduction_dimension", -1)))
     return (axis % max(rank, 1),)
 
 
@@ -464,6 +470,34 @@ def gather_dims(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     others follow the indices), and the operand dimensions the indices index (``start_index_map``)."""
     dn = eqn.params["dimension_numbers"]
     return tuple(dn.offset_dims), tuple(dn.start_index_map)
+
+
+def solves_left(eqn: Any) -> bool:
+    """Whether a ``triangular_solve`` solves ``a x = b`` (``left_side``; else ``x a = b``)."""
+    return bool(eqn.params["left_side"])
+
+
+class Ragged(NamedTuple):
+    """A ``ragged_dot_general``'s dimensions: the lhs's ragged one, its contracting and batch ones, the rhs's free
+    ones (neither its group's nor contracting nor batch), and whether it takes a ``group_offset``."""
+
+    ragged: int
+    contracting: tuple[int, ...]
+    batch: tuple[int, ...]
+    rhs_free: tuple[int, ...]
+    offset: bool
+
+
+def ragged_dims(eqn: Any) -> Ragged:
+    """The lhs's dimensions of a ``ragged_dot_general`` (:class:`Ragged`)."""
+    dn = eqn.params["ragged_dot_dimension_numbers"]
+    (contracting, rhs_contracting), (batch, rhs_batch) = dn.dot_dimension_numbers
+    (ragged,) = dn.lhs_ragged_dimensions
+    taken = {*rhs_contracting, *rhs_batch, *dn.rhs_group_dimensions}
+    rhs_free = tuple(d for d in range(len(eqn.invars[1].aval.shape)) if d not in taken)
+    ints = lambda ds: tuple(int(d) for d in ds)  # noqa: E731
+    has_offset = eqn.params.get("group_offset") is not None
+    return Ragged(int(ragged), ints(contracting), ints(batch), rhs_free, has_offset)
 
 
 def conv_batch(eqn: Any) -> tuple[int, int, int]:

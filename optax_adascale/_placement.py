@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from optax_adascale import _state
-from optax_adascale.core import _read
+from optax_adascale.core import _ramp, _read
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.sharding import _zero
 
@@ -202,6 +202,12 @@ def transfer_state(opt_state: Any, target: Any) -> Any:
         fields["inner_state"] = _zero.recut(source.inner_state, s.inner_state)
         if source.ramp is None or s.ramp is None:
             fields["ramp"] = s.ramp
+        elif (ramp := _ramp.fresh_ramp(s.ramp)) is not None:  # into a ramp whose ladder we know (its init's state)
+            k = _ramp.warn_if_off_ladder(
+                ramp, source.ramp.microbatches, 0, "the state given to transfer_state", moved=True
+            )
+            if k is not None:  # on the ladder now: batch_plan says so before the first update (which would move it)
+                fields["ramp"] = source.ramp._replace(microbatches=jnp.full_like(source.ramp.microbatches, k))
         return _conform(AdaScaleState(**fields), s)
 
     return _map_states(target, per_state, lambda x: x)
@@ -228,6 +234,15 @@ def _conform(source: Any, target: Any) -> Any:
                 "opt_state and target have different parameter groups (param_labels): the moving averages "
                 "are kept per group, so they cannot be carried between a labelled and an unlabelled "
                 "configuration, or between different labels. Use the same param_labels in both."
+            )
+        clock_keys = {"slope", "reach", "curvature", "base_steps"}  # the τ clock's state fields (0.4.0's defaults)
+        moved = {n for k in set(src) ^ {key(p) for p, _ in tgt} for n in k} & clock_keys
+        if moved:
+            raise ValueError(
+                "the inner transformations of opt_state and target differ in structure: one of them runs on the τ "
+                f"clock (its state has {sorted(moved)}) and the other on the update clock. A checkpoint of 0.3 "
+                "(adascale_sgd's default then, or adascale_adamw with clock='update') restores into a "
+                "transformation built with clock='update'; 0.4.0's default for both aliases is clock='tau'."
             )
         raise ValueError("the inner transformations of opt_state and target differ in structure")
 

@@ -170,9 +170,9 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     (``lr(⌊τ_t⌋)``, the schedule's value), ``scale`` (``S``), ``skipped_steps``
     (and why: ``skipped_nonfinite_steps`` for non-finite gradients, statistics or
     learning rates, ``skipped_negative_lr_steps`` for a negative learning rate,
-    ``skipped_altered_grads_steps`` for accumulated updates whose gradients were
-    changed between :func:`value_and_grad` and ``update``: clipped or scaled before
-    AdaScale, which :func:`done` refuses),
+    ``skipped_altered_grads_steps`` for updates whose gradients were changed between
+    :func:`value_and_grad` and ``update`` (per-replica statistics; the drop-in's when
+    accumulating): clipped or scaled before AdaScale, which :func:`done` refuses),
     ``floored_steps`` (applied updates whose variance estimate was zero up to
     rounding: if it grows with ``count``, the replicas see identical
     gradients — typically gradients averaged *before* ``update``; :func:`done`
@@ -292,15 +292,26 @@ def batch_plan(opt_state: Any) -> dict[str, jax.Array]:
     }
 
 
-def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> bool:
+# done() raises once the trailing skip streak is as long as the applied updates before it, and at least this long.
+EARLY_SKIP_STREAK = 5
+
+
+def done(
+    opt_state: Any, total_steps: float, *, max_skip_streak: int = 100, max_early_skip_streak: int = EARLY_SKIP_STREAK
+) -> bool:
     """Whether training has done ``total_steps`` base-batch steps (``τ ≥ T``); raise if it is stuck.
 
     The loop condition for ``while not optax_adascale.done(opt_state, T): ...``.
     A run whose updates are all skipped (a schedule or model that makes every
     step non-finite) never advances ``τ``, so a bare ``while τ < T`` loop would
     never end; this raises instead once ``max_skip_streak`` consecutive updates
-    were skipped. Reads a few scalars from the device (a host sync, like any
-    loop condition on ``τ``). Warns (``UserWarning``) once 10 or more updates
+    were skipped, and sooner where training went non-finite early: once the
+    skipped updates in a row (at least ``max_early_skip_streak``) outnumber the
+    updates applied before them. A run that turns non-finite in its first
+    updates (typically a learning-rate schedule written for the large batch,
+    where AdaScale's is written for the base batch) does not recover, since a
+    skipped update leaves the parameters where they are; the error says so. Reads a few scalars
+    from the device (a host sync, like any loop condition on ``τ``). Warns (``UserWarning``) once 10 or more updates
     were applied and at least half of them had replicas that agreed exactly
     (``metrics()["floored_steps"]``): gradients averaged before ``update``, or one
     batch read by every replica, leave the gain at 1.
@@ -309,15 +320,19 @@ def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> b
       opt_state: any state containing an AdaScale state.
       total_steps: ``T``, the base-batch step budget.
       max_skip_streak: consecutive skipped updates tolerated.
+      max_early_skip_streak: consecutive skipped updates always tolerated,
+        however few updates were applied before them (raise it where skips at
+        the start are expected, e.g. a dynamic loss scale settling).
 
     Returns:
       ``True`` once ``τ ≥ total_steps``.
 
     Raises:
-      RuntimeError: the last ``max_skip_streak`` updates were all skipped; or an
-        accumulated update was skipped because ``update`` was given gradients other
-        than those :func:`value_and_grad` measured (``skipped_altered_grads_steps``:
-        a transformation chained before AdaScale changed them).
+      RuntimeError: the last ``max_skip_streak`` updates were all skipped, or
+        the last ``max(max_early_skip_streak, applied updates)``; or an
+        update was skipped because ``update`` was given gradients other than those
+        :func:`value_and_grad` measured (``skipped_altered_grads_steps``: a
+        transformation chained before AdaScale changed them).
 
     Examples:
       >>> import jax.numpy as jnp, optax_adascale
@@ -328,16 +343,41 @@ def done(opt_state: Any, total_steps: float, *, max_skip_streak: int = 100) -> b
     s = get_adascale_state(opt_state)
     _raise_if_altered(s)
     streak = int(np.max(np.asarray(jax.device_get(_value(s.skip_streak)))))
-    if streak >= max_skip_streak:
-        raise RuntimeError(
-            f"training is stuck: the last {streak} updates were all skipped for non-finite gradients, "
-            f"statistics or learning rate (skipped_steps={int(np.max(np.asarray(_value(s.skipped_steps))))}), "
-            "so τ cannot advance. Check the loss for NaN/inf, lower the learning rate, or check that the "
-            "schedule returns finite, non-negative values."
-        )
+    applied = int(np.max(np.asarray(jax.device_get(_value(s.count)))))
+    early = streak >= max(min(max_early_skip_streak, max_skip_streak), applied)
+    if streak >= max_skip_streak or early:
+        raise RuntimeError(_stuck_message(s, streak, applied, early))
     _warn_if_mostly_floored(s)
     tau = np.asarray(jax.device_get(scale_invariant_steps(s)))
     return bool(np.min(tau) >= total_steps)
+
+
+def _stuck_message(s: AdaScaleState, streak: int, applied: int, early: bool) -> str:
+    """Why ``τ`` cannot advance, and the likeliest cause first: a schedule written for the large batch."""
+    skipped = int(np.max(np.asarray(jax.device_get(_value(s.skipped_steps)))))
+    negative = int(np.max(np.asarray(jax.device_get(_value(s.negative_lr_steps)))))
+    scale = float(np.max(np.asarray(jax.device_get(_value(s.scale)))))
+    base_lr = float(np.max(np.asarray(jax.device_get(_value(s.base_lr)))))
+    where = f"after only {applied} applied update(s)" if early else f"({applied} updates applied before them)"
+    if negative:
+        cause = f"{negative} of them for a negative learning rate: check that the schedule returns values >= 0."
+    else:
+        cause = (
+            "AdaScale's learning-rate schedule is written for the base batch (the lr you would use at S = 1, one "
+            "gradient sample's batch); AdaScale multiplies it by the gain r ∈ [1, S] itself. A schedule written for "
+            "the large batch (e.g. lr 3.2 at S = 32 for a schedule tuned at lr 0.1 on the base batch) is S times too "
+            "large: divide it by S."
+        )
+        if applied and scale > 0:
+            cause += (
+                f" The last applied update ran at S = {scale:g} with lr = {base_lr:.4g} from the schedule (base batch: "
+                f"{base_lr / scale:.4g} if it was written for the batch of S = {scale:g})."
+            )
+        cause += " Otherwise check the loss for NaN/inf, or lower the learning rate."
+    return (
+        f"training is stuck: the last {streak} updates were all skipped for non-finite gradients, statistics or "
+        f"learning rate {where} (skipped_steps={skipped}), so τ cannot advance. {cause}"
+    )
 
 
 def _raise_if_altered(s: AdaScaleState) -> None:
@@ -350,13 +390,15 @@ def _raise_if_altered(s: AdaScaleState) -> None:
 ALTERED_GRADS = (
     "{altered} update(s) were skipped because update was given other gradients than the ones "
     "optax_adascale.value_and_grad measured (their squared norm differs from microbatch_stats' by more than 1 %): "
-    "a transformation chained before AdaScale changed them, e.g. optax.chain(optax.clip_by_global_norm(c), tx). "
-    "Without accumulation the statistics keep the gain right whatever is done to the gradients, but with "
-    "accumulation_steps > 1 or a BatchRamp AdaScale accumulates the gradients it is given, so the statistics would "
-    "describe other gradients (the gain sticks at S, grad_sqr at 0, and τ runs ahead). Clip inside AdaScale, on the "
-    "accumulated mean: optax_adascale.adascale(optax.chain(optax.clip_by_global_norm(c), inner), learning_rate, "
-    "accumulation_steps=...), e.g. inner = optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd)) for "
-    "AdamW, optax.trace(0.9) for SGD with momentum."
+    "a transformation chained before AdaScale changed them, e.g. optax.chain(optax.clip_by_global_norm(c), tx), "
+    "or a pmean/psum of the gradients before update. AdaScale takes the squared norm of the mean gradient from the "
+    "gradients it is given (per replica, data_axes=None: always; from the GSPMD drop-in: when it accumulates, with "
+    "accumulation_steps > 1 or a BatchRamp) and the samples' from the statistics, so the two would describe "
+    "different gradients (a clip inflates the variance and the gain with it; accumulated, the gain sticks at S, "
+    "grad_sqr at 0, and τ runs ahead). Clip inside AdaScale, on the averaged gradient: "
+    "optax_adascale.adascale(optax.chain(optax.clip_by_global_norm(c), inner), learning_rate, ...), e.g. "
+    "inner = optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd)) for AdamW, optax.trace(0.9) for SGD "
+    "with momentum."
 )
 
 

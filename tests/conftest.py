@@ -26,11 +26,21 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # in a throwaway interpreter, once per session (the xdist workers inherit the result through the environment).
 _COMPILE_FAST = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
+# XLA:CPU runs each of the 8 fake devices on its own thread, and a collective (psum, all-gather) waits until all
+# 8 have reached it: it logs "This thread has been waiting for `all reduce ...` for 20 seconds and may be stuck"
+# after 20 s and aborts the process after 40 s ("Termination timeout ... exceeded", then "Fatal Python error:
+# Aborted"). On 2 cores shared with other jobs a device's thread can be descheduled that long; these give it 60 s
+# before the warning and 300 s before the abort (both flags exist in the XLA of JAX 0.10.2, 0.11.2 and 0.12).
+COLLECTIVES_PATIENT = (
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
+    "--xla_cpu_collective_call_terminate_timeout_seconds=300",
+)
+
 
 if not os.environ.get("OPTAX_ADASCALE_TESTS_XLA_FLAGS_CHOSEN"):
     from benchmarks.harness import xla
 
-    xla.add_flags(*_COMPILE_FAST)
+    xla.add_flags(*COLLECTIVES_PATIENT, *_COMPILE_FAST)
     os.environ["OPTAX_ADASCALE_TESTS_XLA_FLAGS_CHOSEN"] = "1"
 
 import jax  # noqa: E402

@@ -225,7 +225,17 @@ def primitive(name: str):
         for value in vars(module).values():
             if isinstance(value, Primitive) and value.name == name:
                 return value
-    private = ("shard_map", "pjit", "core", "lax.parallel", "random.prng", "lax.control_flow.conditionals")
+    private = (
+        "shard_map",
+        "pjit",
+        "core",
+        "lax.parallel",
+        "random.prng",
+        "lax.control_flow.conditionals",
+        "lax.lax",
+        "lax.linalg",
+        "interpreters.partial_eval",
+    )
     for where in (f"jax._src.{module}" for module in private):
         try:
             module = importlib.import_module(where)

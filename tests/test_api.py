@@ -54,22 +54,25 @@ def test_adascale_takes_at_most_nine_explicit_keywords_and_catches_only_0_2_spel
     ],
     ids=["adascale_sgd", "adascale_adamw"],
 )
-def test_aliases_take_their_optimizers_keywords_plus_four_adascale_options(factory, own):
+def test_aliases_take_their_optimizers_keywords_plus_four_adascale_options_and_the_clock(factory, own):
     params = inspect.signature(factory).parameters
     named = [n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    assert named == own + list(MOST_SET)
+    assert named == own + list(MOST_SET) + ["clock"]  # DESIGN §2's pinned signatures
+    assert params["clock"].default is None and params["clock"].kind is inspect.Parameter.KEYWORD_ONLY
     assert all(params[k].default == ADASCALE_OPTIONS[k] for k in MOST_SET)
     # Every other option of adascale reaches it through **options.
     tx = factory(0.1, axis_name="i", param_labels={"w": "a"}, delayed_gain=True, shard_optimizer_state=None)
     assert isinstance(tx, optax.GradientTransformationExtraArgs)
     with pytest.raises(TypeError, match="unexpected keyword argument 'momentun'"):
         factory(0.1, momentun=0.9)
-    # The clock rides in **options too (the pinned signature is unchanged), also through inject_hyperparams.
-    # Two orthogonal micro-batches (gain 2, ḡ = (0.5, 0.5)): the τ clock's buffer holds two base steps (1 + 0.9)·ḡ,
-    # the update clock's one, so SGD's step is 2·0.1·1.9·0.5 = 0.19 against 2·0.1·0.5 = 0.1; Adam's is √2·0.1
-    # against 2·0.1 (its direction is ±1 per coordinate).
+    # The clock is a keyword of its own, also through inject_hyperparams (a string: static by itself).
+    # Two orthogonal micro-batches (estimated gain 2, ḡ = (0.5, 0.5)). SGD's default τ clock is guarded: the first
+    # update's gain is min(2, 1.1·max(1, 1)) = 1.1 and its buffer holds 1.1 base steps, (1 − 0.9^1.1)/(1 − 0.9)·ḡ, so
+    # its step is 1.1·0.1·(1 − 0.9^1.1)/0.1·0.5 ≈ 0.0602; the update clock applies the gain 2 to a buffer of one step,
+    # 2·0.1·0.5 = 0.1. Adam has no guard: √2·0.1 against 2·0.1 (its direction is ±1 per coordinate).
     sgd = factory is optax_adascale.adascale_sgd
-    expected = {"tau": 0.19 if sgd else 0.1 * 2**0.5, "update": 0.1 if sgd else 0.2}
+    sgd_tau = 1.1 * 0.1 * (1 - 0.9**1.1) / (1 - 0.9) * 0.5
+    expected = {"tau": sgd_tau if sgd else 0.1 * 2**0.5, "update": 0.1 if sgd else 0.2}
     for clock, step in expected.items():
         keywords = dict(momentum=0.9, weight_decay=0.0) if sgd else dict(weight_decay=0.0)
         injected = optax.inject_hyperparams(factory, static_args=("accumulation_steps",))(

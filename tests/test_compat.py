@@ -346,6 +346,12 @@ def test_contraction_dims_are_a_dot_generals_dimension_numbers():
         (lambda x: jax.lax.top_k(x, 2)[0], "top_k", (1,)),
         (lambda x: jax.lax.rev(x, (0, 1)), "rev", (0, 1)),
         (lambda x: jnp.concatenate([x, x], axis=1), "concatenate", (1,)),
+        (lambda x: jnp.split(x, 2, axis=1), "split", (1,)),
+        (lambda x: jnp.unstack(x, axis=0), "unstack", (0,)),
+        (lambda x: jnp.stack([x, x], axis=0), "stack", ()),
+        (lambda x: jax.lax.approx_max_k(x, 2)[0], "approx_top_k", (1,)),
+        (lambda x: jnp.fft.fft(x), "fft", (1,)),
+        (lambda x: jnp.fft.fft2(x), "fft", (0, 1)),
     ],
 )
 def test_along_dims_are_the_dimensions_an_operation_works_along(f, name, expected):
@@ -363,6 +369,25 @@ def test_reduced_padded_offset_and_batch_dims_are_read_from_their_equations():
         jnp.ones((3, 3, 4)),
     )
     assert _compat.conv_batch(conv) == (0, 0, 1)
+
+
+def test_a_triangular_solves_side_and_a_ragged_dots_dimensions_are_read_from_their_equations():
+    from jax.scipy.linalg import solve_triangular
+
+    a, b = jnp.eye(3), jnp.ones((3, 5))
+    assert _compat.solves_left(_eqn(lambda a, b: solve_triangular(a, b, lower=True), a, b, name="triangular_solve"))
+    right = _eqn(lambda a, b: jax.lax.linalg.triangular_solve(a, b, left_side=False), a, b.T, name="triangular_solve")
+    assert not _compat.solves_left(right)
+    ragged = _eqn(
+        jax.lax.ragged_dot,
+        jnp.ones((8, 4)),
+        jnp.ones((2, 4, 3)),
+        jnp.array([3, 5], jnp.int32),
+        name="ragged_dot_general",
+    )
+    assert _compat.ragged_dims(ragged) == _compat.Ragged(
+        ragged=0, contracting=(1,), batch=(), rhs_free=(2,), offset=False
+    )
 
 
 def test_cast_axes_are_the_axes_pvary_makes_a_value_vary_over():

@@ -6,6 +6,7 @@
 * ``elastic.py``: scale 2 -> 4 -> 8 through checkpoints, each phase stopping at its τ boundary.
 * ``elastic_goodput.py``: S re-chosen by goodput as the noise scale grows beats every fixed S.
 * ``nnx_quickstart.py``: NNX with micro-batches and with shard_map replicas train alike.
+* ``flax_mnist.py``: Flax's NNX MNIST example through the drop-in: S = 8 reaches T in fewer updates, both learn.
 * ``sharded_lm.py``: a tensor-parallel NNX transformer at S = 1 and S = 4.
 
 (``multihost.py`` runs as two processes in ``test_multihost.py``.) Tests that share one run share an
@@ -313,6 +314,30 @@ def test_nnx_example_smoke_micro_batches_and_replicas_train_alike():
     # The same 256 examples per step, as 8 micro-batches on one device or as 8 replicas.
     for key in ("iterations", "tau", "gain", "acc"):
         assert micro[key] == replicas[key], key
+
+
+# --------------------------------------------------------------------------- flax_mnist.py
+# Flax's NNX MNIST example ported through the drop-in (the module and nnx.Rngs passed as to nnx.value_and_grad,
+# nnx.Optimizer(wrt=nnx.Param) given microbatch_stats): S = 1 is Flax's step as written, S = 8 the port.
+
+FLAX_MNIST_BUDGET = 20  # the smoke budget T
+FLAX_MNIST_ROW = re.compile(
+    r"^\s*(?P<S>\d+)\s+(?P<seed>\d+)\s+(?P<batch>\d+)\s+(?P<iterations>\d+)\s+(?P<tau>[\d.]+)\s+"
+    r"(?P<gain>[\d.]+)\s+(?P<at_S>[\d.]+)\s+(?P<pinned>[\d.]+|nan)\s+(?P<acc>[\d.]+)%\s+(?P<loss>[\d.]+)\s+[\d.]+\s*$"
+)
+
+
+def test_flax_mnist_smoke_ports_flax_example_and_learns():
+    stdout = run_example("flax_mnist.py", "--smoke", "--no-progress")
+    rows = {int(m["S"]): m.groupdict() for m in map(FLAX_MNIST_ROW.match, stdout.splitlines()) if m}
+    assert sorted(rows) == [1, 8], stdout
+    base, port = rows[1], rows[8]
+    assert int(base["iterations"]) == FLAX_MNIST_BUDGET and float(base["gain"]) == 1.0
+    assert FLAX_MNIST_BUDGET <= float(port["tau"]) < FLAX_MNIST_BUDGET + 8  # stops at τ = T, within one gain
+    assert 1.0 <= float(port["gain"]) <= 8.0 and int(port["iterations"]) < FLAX_MNIST_BUDGET
+    assert int(port["iterations"]) == pytest.approx(float(port["tau"]) / float(port["gain"]), abs=1.0)
+    for row in (base, port):  # held-out loss below chance's ln 10 = 2.303 (the smoke run: 2.03 and 2.12)
+        assert float(row["loss"]) < math.log(10), row
 
 
 # --------------------------------------------------------------------------- sharded_lm.py

@@ -16,6 +16,7 @@ import optax
 from jax import lax
 
 import optax_adascale as oa
+from optax_adascale.core._keeps_state import keeps_state
 
 AXIS = "replicas"
 NUM_EVALS = 10
@@ -24,8 +25,11 @@ NUM_EVALS = 10
 METHODS = {
     "paper": "the paper's and FairScale's placement: the momentum decays per update, the gain multiplies it "
     '(`clock="update"`; AdamW: the gain multiplies the Adam step)',
-    "tau": 'the τ clock (`clock="tau"`): the momentum decays by β^r per update worth r base steps; AdamW: β₁^r, '
-    "β₂^r and the step √r·lr",
+    "tau": 'the τ clock without its stability guard (0.3\'s `clock="tau"`): the momentum decays by β^r per update '
+    "worth r base steps; AdamW: β₁^r, β₂^r and the step √r·lr",
+    "guarded": 'the τ clock with its stability guard (0.4\'s default, `clock="tau"`): the gain capped where the '
+    "step would pass half the stability limit along the curvature the momentum measured (SGD only; AdamW's τ clock "
+    "has no guard, so its `tau` cells are its default)",
     "gain_before": "the gain before the buffer: `chain(adascale(identity), trace(β))`, each gradient enters at its own "
     "gain (SGD only)",
     "no_momentum": "plain SGD at the same effective step, lr/(1 − β) (SGD only)",
@@ -36,13 +40,17 @@ def make_tx(task, method: str, schedule):
     """The optimizer a method's name spells, for the task's optimizer."""
     wd, beta = task.weight_decay, task.momentum
     if task.optimizer == "adamw":
-        if method not in ("paper", "tau"):
+        if method not in ("paper", "tau", "guarded"):
             raise ValueError(f"method {method!r} is for SGD tasks; {task.name} trains with AdamW")
-        clock = "update" if method == "paper" else "tau"
+        clock = "update" if method == "paper" else "tau"  # AdamW's τ clock has no guard: `guarded` is `tau`
         return oa.adascale_adamw(schedule, weight_decay=wd, axis_name=AXIS, clock=clock)
-    if method in ("paper", "tau"):
-        clock = "update" if method == "paper" else "tau"
-        return oa.adascale_sgd(schedule, momentum=beta, weight_decay=wd, axis_name=AXIS, clock=clock)
+    if method == "paper":
+        return oa.adascale_sgd(schedule, momentum=beta, weight_decay=wd, axis_name=AXIS, clock="update")
+    if method == "guarded":
+        return oa.adascale_sgd(schedule, momentum=beta, weight_decay=wd, axis_name=AXIS, clock="tau")
+    if method == "tau":  # the τ clock without the guard: the alias's inner with a trace that measures nothing
+        inner = optax.chain(optax.add_decayed_weights(wd), oa.trace(beta, guard=False))
+        return oa.adascale(keeps_state(inner), schedule, axis_name=AXIS)
     if method == "gain_before":
         return optax.chain(oa.adascale(optax.add_decayed_weights(wd), schedule, axis_name=AXIS), optax.trace(beta))
     if method == "no_momentum":

@@ -8,7 +8,7 @@ import numpy as np
 
 from benchmarks.harness import plots
 
-GOAL = {32: 0.02, 64: 0.05}  # |final loss / S = 2's − 1| at S ≤ 32, and at S = 64
+GOAL = {32: 0.02, 64: 0.05}  # final loss / S = 2's − 1 at most (one-sided) at S ≤ 32, and at S ≥ 64
 
 
 def goal_for(scale: int) -> float:
@@ -54,7 +54,7 @@ def _pct(v: tuple[float, float, int] | None, scale: int) -> str:
     if scale == 2:
         return "(baseline)"
     rel, se, _ = v
-    mark = "" if abs(rel) <= goal_for(scale) else (" ✗ over" if rel > 0 else " ✗ under")
+    mark = " ✗ over" if rel - se > goal_for(scale) else ""  # one-sided: quality lost beyond its standard error
     return f"{100 * rel:+.1f} ± {100 * se:.1f}{mark}"
 
 
@@ -91,31 +91,40 @@ def task_table(idx, task, methods, scales, mults) -> str:
 
 
 def summary_table(idx, tasks, methods, scales, mults) -> str:
-    """Per task and method: the worst gap at S ≤ 32 and at S = 64 over the learning rates, and the goal."""
+    """Per task and method: the worst gap at S ≤ 32, at S = 64 and at S = 128 over the learning rates (the most
+    positive: the promise is one-sided, no quality lost), whether it keeps the goal within its standard error, and
+    the updates at S = 32 against the update clock's (`paper`)."""
     lines = [
-        "| task | method | worst at S ≤ 32 (%) | worst at S = 64 (%) | at S = 128 (%, no goal) | "
-        "goal (±2 % to 32, ±5 % at 64) |",
-        "|---|---|---:|---:|---:|---|",
+        "| task | method | worst at S ≤ 32 (%) | worst at S = 64 (%) | worst at S = 128 (%) | "
+        "goal (≤ +2 % to 32, ≤ +5 % beyond, within SE) | updates at S = 32 (× `paper`'s) |",
+        "|---|---|---:|---:|---:|---|---:|",
     ]
     for task in tasks:
         for method in methods:
-            worst = {}
+            worst, kept = {}, True
             groups = (
-                ("le32", [s for s in scales if 2 < s <= 32]),
-                ("64", [64]),
-                ("128", [s for s in scales if s > 64]),
+                ("le32", [s for s in scales if 2 < s <= 32], GOAL[32]),
+                ("64", [64], GOAL[64]),
+                ("128", [s for s in scales if s > 64], GOAL[64]),
             )
-            for group, chosen in groups:
+            for group, chosen, bound in groups:
                 vals = [relative(idx, task.name, method, s, m) for s in chosen for m in mults]
-                vals = [v[0] for v in vals if v is not None]
-                worst[group] = max(vals, key=abs) if vals else None
+                vals = [v for v in vals if v is not None]
+                worst[group] = max(vals, key=lambda v: v[0]) if vals else None
+                kept &= all(v[0] - v[1] <= bound for v in vals)
             if worst["le32"] is None:
                 continue
-            met = abs(worst["le32"]) <= GOAL[32] and (worst["64"] is None or abs(worst["64"]) <= GOAL[64])
-            fmt = lambda v: "—" if v is None else f"{100 * v:+.1f}"  # noqa: E731
+            ratios = []
+            for m in mults:
+                ours = mean_of(idx, task.name, method, 32, m, "iterations")
+                paper = mean_of(idx, task.name, "paper", 32, m, "iterations")
+                if ours and paper:
+                    ratios.append(ours / paper)
+            fmt = lambda v: "—" if v is None else f"{100 * v[0]:+.1f} ± {100 * v[1]:.1f}"  # noqa: E731
+            cost = f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "—"
             lines.append(
                 f"| {task.name} | `{method}` | {fmt(worst['le32'])} | {fmt(worst['64'])} | {fmt(worst['128'])} | "
-                f"{'met' if met else '**missed**'} |"
+                f"{'kept' if kept else '**lost**'} | {cost} |"
             )
     return "\n".join(lines)
 
@@ -124,7 +133,7 @@ def plot_sweep(idx, tasks, methods, scales, mults, path):
     """The final loss against S = 2's, per task, a line per method and learning rate."""
     plt = plots.pyplot()
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3.0), squeeze=False)
-    styles = {"paper": "--", "tau": "-", "gain_before": ":", "no_momentum": "-."}
+    styles = {"paper": "--", "tau": "-", "guarded": "-", "gain_before": ":", "no_momentum": "-."}
     for ax, task in zip(axes[0], tasks, strict=True):
         for method in methods:
             for j, m in enumerate(mults):

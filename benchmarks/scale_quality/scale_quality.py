@@ -23,7 +23,8 @@ SCALES = (2, 4, 8, 16, 32, 64)
 LARGEST = 128  # also run at S = 128 where the task allows it on a CPU (the small models; the LMs stop at 64)
 AT_LARGEST = ("quadratic", "teacher", "mnist1d")
 MULTS = (0.5, 1.0, 2.0)
-METHODS = ("paper", "tau")
+METHODS = ("paper", "tau", "guarded")
+GUARDED = "guarded"
 DIAGNOSIS_METHODS = ("gain_before", "no_momentum")
 
 
@@ -49,8 +50,8 @@ def run_grid(tasks, methods, scales, mults, seeds, cache: Path | None, *, only_c
     records = []
     for task in tasks:
         for method in methods:
-            if task.optimizer == "adamw" and method in DIAGNOSIS_METHODS:
-                continue
+            if task.optimizer == "adamw" and method in (*DIAGNOSIS_METHODS, GUARDED):
+                continue  # AdamW's τ clock has no guard: its `tau` cells are its default
             for scale in scales:
                 have = load(cache, task, method, scale, any_config=only_cached)
                 done = {(r["lr_mult"], r["seed"]) for r in have}
@@ -69,7 +70,7 @@ def run_grid(tasks, methods, scales, mults, seeds, cache: Path | None, *, only_c
     return records
 
 
-SEEDS = {"quadratic": 32, "teacher": 4, "lm_sgd": 2, "lm_adamw": 2, "mnist1d": 6}
+SEEDS = {"quadratic": 32, "teacher": 4, "lm_sgd": 3, "lm_adamw": 3, "mnist1d": 6}
 DIAGNOSED = ("quadratic", "teacher")  # the tasks the momentum diagnosis (gain_before, no_momentum) runs on
 ADAM_SCALE = 32
 

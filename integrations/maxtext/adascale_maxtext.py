@@ -28,6 +28,7 @@ import optax_adascale
 
 ON = False
 RAMP: optax_adascale.BatchRamp | None = None
+CLOCK: str | None = None  # adascale_adamw's clock (None: the library's default)
 
 
 def use_adascale(ramp: optax_adascale.BatchRamp | None = None) -> None:
@@ -66,6 +67,7 @@ def use_adascale(ramp: optax_adascale.BatchRamp | None = None) -> None:
                 weight_decay=config.adam_weight_decay,
                 mu_dtype=config.mu_dtype,
                 mask=optimizers.get_adamw_mask(config),
+                **({"clock": CLOCK} if CLOCK is not None else {}),
             )
         if config.opt_type == "sgd":
             return optax_adascale.adascale_sgd(learning_rate_schedule)

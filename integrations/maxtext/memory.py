@@ -110,7 +110,8 @@ def measure(mesh_name: str, shard_mode: str, extra: list[str]) -> dict:
         out["mesh_shape"] = {k: v for k, v in mesh.shape.items() if v > 1}
         out["axis_types"] = sorted({str(t) for t in mesh.axis_types})
         del state, compiled
-    out["ratio"] = out["adascale"]["total"] / out["maxtext"]["total"]
+    if "adascale" in out and "maxtext" in out:
+        out["ratio"] = out["adascale"]["total"] / out["maxtext"]["total"]
     return out
 
 

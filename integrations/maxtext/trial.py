@@ -351,6 +351,14 @@ def main() -> int:
     parser.add_argument("--ramp-linear", type=float, default=None, help="the ramp: MaxText's rule over G examples")
     parser.add_argument("--eval-rows", type=int, default=None, help="held-out rows per batch (default: the batch's)")
     parser.add_argument("--train-loop", action="store_true", help="MaxText's own (patched) train_loop, --stream fed")
+    parser.add_argument(
+        "--synthetic-rows",
+        type=int,
+        default=None,
+        help="MaxText's synthetic batch of N rows (dataset_type=synthetic: one fixed batch of random tokens), fed "
+        "in turn as the run's batches of its own rows; the loss is then read on those N rows",
+    )
+    parser.add_argument("--clock", default=None, help="adascale_adamw's clock: tau or update (default: the library's)")
     parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides")
     args = parser.parse_args()
 
@@ -377,6 +385,7 @@ def main() -> int:
                 ramp = optax_adascale.BatchRamp(
                     1, args.ramp, ladder=tuple(range(1, args.ramp + 1)), patience=1, policy=policy
                 )
+        adascale_maxtext.CLOCK = args.clock
         adascale_maxtext.use_adascale(ramp)
         if args.check or args.closure:
             optax_adascale.value_and_grad = checked(optax_adascale.value_and_grad, args.closure)
@@ -407,7 +416,15 @@ def main() -> int:
     eval_rows = args.eval_rows or rows  # the ramps: the same held-out windows whatever the batch
     held_out = [put(make_batch(text, eval_rows, length, 10_000 + i, args.unequal, True)) for i in range(4)]
     stream = None
-    if args.stream:  # MaxText's loader reads the stream: one global (micro-)batch per call, sliced by its own ramp
+    if args.synthetic_rows:  # MaxText's SyntheticDataIterator's tokens (its key, its shape at N rows), cycled
+        import jax.numpy as jnp
+
+        shape = (args.synthetic_rows, length + 1)
+        tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(0), shape, 0, config.vocab_size, jnp.int32))
+        held_out = [put(as_batch(tokens[i : i + rows])) for i in range(0, args.synthetic_rows, rows)]  # all N rows
+        stream = WindowStream(text, rows, length)
+        stream.windows, stream.order = tokens, np.arange(args.synthetic_rows)
+    elif args.stream:  # MaxText's loader reads the stream: one global (micro-)batch per call, sliced by its own ramp
         stream = data_loader.data_iterator = WindowStream(text, rows, length)
     record = {
         "mode": args.mode,
@@ -420,6 +437,8 @@ def main() -> int:
         "loss": [],
         "lm_loss": [],
         "gain": [],
+        "grad_sqr": [],
+        "grad_var": [],
         "tau": [],
         "step_s": [],
         "eval": {},
@@ -442,7 +461,10 @@ def main() -> int:
     while it < args.steps and not adascale_maxtext.done(state, config):  # the patched train_loop's condition
         if args.eval_at is not None and it == args.eval_at:
             record["eval"][f"it={it}"] = evaluate(state)
-        if stream is not None:
+        if args.synthetic_rows:
+            host_batch = next(stream)
+            batch = put(host_batch)
+        elif stream is not None:
             batch = data_loader.load_next_batch(rampup_manager=rampup_manager)  # train_loop's own line
             host_batch = {"targets_segmentation": np.asarray(batch["targets_segmentation"])}
         else:
@@ -461,6 +483,8 @@ def main() -> int:
         if args.mode == "adascale":
             m = optax_adascale.metrics(state)
             record["gain"].append(float(m["gain"]))
+            record["grad_sqr"].append(float(m["grad_sqr"]))
+            record["grad_var"].append(float(m["grad_var"]))
             record["tau"].append(float(m["scale_invariant_steps"]))
             if args.ramp is not None:
                 seen = int(optax_adascale.batch_plan(state)["microbatches_seen"])

@@ -197,21 +197,12 @@ def _update(
             new_state = _decide(ramp, state, new_state, per_microbatch)
         return new_updates, new_state
 
+    if samples.altered is not None:  # b would be taken from changed gradients: a = −∞ rides the one reduction to
+        local_sq = jnp.where(samples.altered, -jnp.inf, local_sq)  # every replica (and the window), which skip it
     if ramp is None and k == 1:
         return step(grads, local_sq, state)
     _axes.check_buffers_per_replica(state.acc_sq_norm, collection.axis_name, grads)
-    altered = None
-    if samples.altered is not None:  # b would be taken from changed gradients: the window is skipped (a = −inf)
-        altered = samples.altered | jnp.any(jnp.isneginf(state.acc_sq_norm))
-        local_sq = jnp.where(samples.altered, -jnp.inf, local_sq)
     new_updates, new_state = _accumulate.accumulate(k, grads, local_sq, state, step)
-    if altered is not None:
-        counted = altered & (new_state.skipped_steps != state.skipped_steps)
-        new_state = new_state._replace(
-            altered_grads_steps=jnp.where(
-                counted, optax.safe_increment(new_state.altered_grads_steps), new_state.altered_grads_steps
-            )
-        )
     if ramp is not None:  # every call: the loader's position, and the samples per call (for the readers)
         new_state = new_state._replace(
             ramp=new_state.ramp._replace(
@@ -303,10 +294,15 @@ def transform(
         return _init(options, reduction, inner, params)
 
     rows_seen: set[tuple[int, ...]] = set()  # the drop-in's batch sizes under a ramp, for check_rows' warning only
+    off_ladder_seen: set[int] = set()  # the restored k already said to leave the ladder (a window: one warning)
 
     def update_fn(updates, state, params=None, *, microbatch_stats=None, **extra_args):
         if options.ramp is not None and isinstance(microbatch_stats, MicrobatchStats):
             _ramp.check_rows(rows_seen, microbatch_stats.rows)
+        if options.ramp is not None and getattr(state, "ramp", None) is not None:  # concrete (not under jit) only
+            _ramp.warn_if_off_ladder(
+                options.ramp, state.ramp.microbatches, state.micro_step, "the optimizer state", off_ladder_seen
+            )
         return _update(options, update, reduction, updates, state, params, microbatch_stats, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from optax_adascale import _compat
+from optax_adascale.core import _clock
 
 # --------------------------------------------------------------------------- warnings
 
@@ -339,7 +340,7 @@ def probe_inner(inner: optax.GradientTransformationExtraArgs, params: Any) -> No
             stand_in = treedef.unflatten([jnp.zeros((1,) * jnp.ndim(p), jnp.result_type(p)) for p in leaves])
             grads = jax.tree.map(jnp.ones_like, stand_in)
             state = inner.init(stand_in)
-            updates, _ = inner.update(grads, state, stand_in)
+            updates, _ = inner.update(grads, state, stand_in, **_clock.probe_args())
             values = np.concatenate([np.real(np.ravel(np.asarray(u))) for u in jax.tree.leaves(updates)])
     except Exception:  # noqa: BLE001 - an inner we cannot probe (shape-specific, needs extra args) is not judged
         return

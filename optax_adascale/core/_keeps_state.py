@@ -49,9 +49,10 @@ def kept(taken: Any, new: Any, old: Any) -> Any:
     )
 
 
-def trace(decay: Any, nesterov: bool = False) -> optax.GradientTransformationExtraArgs:
-    """``optax.trace(decay, nesterov)`` (float32 or the gradient's accumulator), keeping its trace on a skip."""
-    base = optax.trace(decay=decay, nesterov=nesterov)
+def trace(decay: Any, nesterov: bool = False, accumulator_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
+    """``optax.trace(decay, nesterov, accumulator_dtype)``, keeping its trace on a skip."""
+    base = optax.trace(decay=decay, nesterov=nesterov, accumulator_dtype=accumulator_dtype)
+    accumulator_dtype = None if accumulator_dtype is None else jax.dtypes.canonicalize_dtype(accumulator_dtype)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params
@@ -61,7 +62,7 @@ def trace(decay: Any, nesterov: bool = False) -> optax.GradientTransformationExt
         )
         new_trace = kept(extra_args.get(TAKEN), new_trace, state.trace)
         updates = jax.tree.map(f, updates, new_trace) if nesterov else new_trace
-        return updates, optax.TraceState(trace=new_trace)
+        return updates, optax.TraceState(trace=optax.tree.cast(new_trace, accumulator_dtype))
 
     return optax.GradientTransformationExtraArgs(base.init, update_fn)
 

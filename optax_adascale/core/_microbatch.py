@@ -129,11 +129,15 @@ def per_replica(
         (grad_sum, sq_sum, state), values = lax.scan(body, carry0, micro, unroll=unroll)
         grads = jax.tree.map(lambda s, p: (s / k).astype(p.dtype), grad_sum, params)
         sq_norms = jax.tree.map(lambda s: s / k, sq_sum)
+        # The returned gradients' own norms, against which update checks the gradients it is given (a clip chained
+        # before AdaScale): at k = 1 they are sq_norms; else one more read of the gradients, no collective.
+        leaves, treedef = jax.tree.flatten(grads)
+        measured = sq_norms if k == 1 else treedef.unflatten(norms(leaves))
         if has_aux:
             losses, aux = values
             value = (jnp.mean(losses), (aux, state) if threaded else aux)
         else:
             value = jnp.mean(values)
-        return value, grads, MicrobatchStats(sq_norms, k)
+        return value, grads, MicrobatchStats(sq_norms, k, grad_sq_norms=measured)
 
     return fn

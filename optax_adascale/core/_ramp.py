@@ -19,6 +19,7 @@ is worth ``r(S) = S(B + 1)/(B + S)`` base steps, so its efficiency is ``r/S = (B
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_adascale import _compat
 from optax_adascale.core import _checks
 
 Array = jax.Array
@@ -190,13 +192,63 @@ class BatchRamp:
 
 
 def init_state(ramp: BatchRamp) -> RampState:
-    """The ramp's state before the first call: ``k = min_microbatches``."""
+    """The ramp's state before the first call: ``k = min_microbatches``. Its ``k`` array is remembered as this
+    ramp's (weakly: :func:`fresh_ramp`), so that ``transfer_state`` into it can say when a ``k`` leaves its ladder."""
+    k = jnp.asarray(ramp.min_microbatches, jnp.int32)
+    if not _compat.is_tracer(k):  # tx.init under jit returns other arrays: nothing to remember
+        key = id(k)
+        _FRESH[key] = (weakref.ref(k, lambda _: _FRESH.pop(key, None)), ramp)
     return RampState(
-        microbatches=jnp.asarray(ramp.min_microbatches, jnp.int32),
+        microbatches=k,
         streak=jnp.zeros([], jnp.int32),
         microbatches_seen=jnp.zeros([], jnp.int32),
         scale_per_microbatch=jnp.zeros([], jnp.int32),
     )
+
+
+# The k arrays of fresh ramp states made by init (not under jit), weakly: id -> (reference, the ramp).
+_FRESH: dict[int, tuple[Any, BatchRamp]] = {}
+
+
+def fresh_ramp(state: RampState) -> BatchRamp | None:
+    """The ramp whose ``init`` made ``state`` (a fresh state, as ``transfer_state``'s target), if known."""
+    entry = _FRESH.get(id(state.microbatches))
+    return entry[1] if entry is not None and entry[0]() is state.microbatches else None
+
+
+def warn_if_off_ladder(
+    ramp: BatchRamp, k: Any, micro_step: Any, how: str, seen: set[int] | None = None, moved: bool = False
+) -> int | None:
+    """On the host, where ``k`` is concrete (never inside jit): one warning when a ``k`` from another ramp's state
+    (a checkpoint, ``transfer_state``) is not a rung of this ramp's ladder, naming the old ``k``, the new one and
+    the ladder; the new ``k`` (or ``None``: on the ladder, or not concrete). At an update boundary (``micro_step``
+    0) the next update moves it onto the ladder; a window in progress finishes first. ``seen``: the old ``k``
+    already warned about (one warning per transformation); ``moved``: the caller moves it now (``transfer_state``).
+    """
+    if _compat.is_tracer(k) or _compat.is_tracer(micro_step):
+        return None
+    ladder: tuple[int, ...] = tuple(ramp.ladder or ())  # set in __post_init__
+    ks = np.unique(np.asarray(jax.device_get(k)))  # a pmap-stacked state holds one k per device, all equal
+    if ks.size != 1 or int(ks[0]) in ladder:
+        return None
+    old = int(ks[0])
+    new = max([rung for rung in ladder if rung <= old], default=ladder[0])
+    if seen is not None:  # each call of a window in progress holds the same old k
+        if old in seen:
+            return new
+        seen.add(old)
+    if moved:
+        when = "here"
+    elif np.any(np.asarray(jax.device_get(micro_step))):
+        when = f"once the window in progress (fed for k = {old}) ends"
+    else:
+        when = "at this update"
+    _checks.warn(
+        f"{how} holds a BatchRamp state at k = {old} micro-batches, which is not a rung of this ramp's ladder "
+        f"{ladder}: k moves from {old} to {new} {when} (the largest rung at or below it; the lowest if it is "
+        f"below them all). To keep the batch at k = {old}, build the optimizer with a ramp whose ladder holds {old}."
+    )
+    return new
 
 
 def check_samples(ramp: BatchRamp, per_microbatch: int, forgot_stats_on: dict[str, int] | None = None) -> None:
@@ -274,6 +326,10 @@ def after_update(ramp: BatchRamp, state: RampState, inputs: RampInputs, applied:
     same_way = jnp.sign(state.streak) == direction
     streak = jnp.where(direction == 0, 0, jnp.where(same_way, state.streak, 0) + direction * samples)
     move = applied & (jnp.abs(streak) >= ramp.patience)
+    if ramp.policy is None:  # the measured target: one rung a move (a noisy estimate never jumps the ladder)
+        at = jnp.argmax(ladder == k)
+        up = ladder[jnp.minimum(at + 1, ladder.shape[0] - 1)]
+        down = ladder[jnp.maximum(at - 1, 0)]
     return state._replace(
         microbatches=jnp.where(move, jnp.where(wants_up, up, down), k).astype(jnp.int32),
         streak=jnp.where(applied & ~move, streak, jnp.where(move, 0, state.streak)).astype(jnp.int32),

@@ -49,7 +49,7 @@ def search(node: Any, kind: type, from_mapping: Callable[[Mapping], Any], found:
 
 def noise_scale(var: Any, sqr: Any, started: Any) -> tuple[jax.Array, jax.Array]:
     """``(B, measured)``: the noise scale ``B = σ̄²/μ̄²`` (``μ̄²`` floored at 0), one convention for every reader
-    (``metrics``, the ramp's ``RampInputs``, the monitor; ``goodput.Choice.noise_scale`` follows it on the host).
+    (``metrics``, the ramp's ``RampInputs``, the monitor, ``goodput.Choice.noise_scale``).
 
     * NaN: not measured. Before the first estimate (``started`` False), while nothing was measured
       (``σ̄² = μ̄² = 0``: only ``n = 1`` updates), or statistics that are not finite (a broken state).

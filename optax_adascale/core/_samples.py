@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_adascale.core import _norms
 
@@ -53,6 +54,14 @@ class MicrobatchStats:
         besides the differentiated ones (the batch's rows among them). Under a :class:`BatchRamp`, whose
         micro-batch is fixed, ``update`` warns when a call brings other sizes (a loader feeding the whole
         update's batch every call).
+      grad_sq_norms: ``None``, or a pytree shaped like the gradients: each leaf's ``‖g‖²`` (float32) of the
+        gradients returned with these statistics (this replica's mean of its samples), as
+        :func:`value_and_grad` with ``data_axes=None`` sets it. ``update`` compares the gradients it is given
+        with them (:data:`ALTERED_RTOL`), on each replica and with no extra collective: gradients clipped,
+        scaled or otherwise changed in between (a clip chained *before* AdaScale) would leave ``b`` without
+        ``a``'s clip and inflate the variance, so the update is skipped on every replica (``metrics()``'s
+        ``skipped_altered_grads_steps``; :func:`done` raises naming the fix: clip inside ``inner``).
+        Statistics built by hand are checked the same way when they carry it.
     """
 
     sq_norms: Any
@@ -60,6 +69,7 @@ class MicrobatchStats:
     fsdp: bool = dataclasses.field(default=False, metadata=dict(static=True))
     mean_sq_norms: Any = None
     rows: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    grad_sq_norms: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +85,11 @@ class Samples:
         ``None``: then the reduction computes it from the gradients.
       rows: the gradients are ZeRO rows already reduce-scattered (FSDP probes).
       weights: the preconditioner's per-leaf multipliers, or ``None``.
-      altered: ``None``, or (accumulating the drop-in's statistics) a traced bool: the gradients given are not
-        those the statistics measured, their ``Σ‖g‖²`` off by more than :data:`ALTERED_RTOL` of ``Σ mean_sq_norms``
-        (clipped, scaled or otherwise changed between ``value_and_grad`` and ``update``).
+      altered: ``None``, or a traced bool (this replica's): the gradients given are not those the statistics
+        measured, their ``Σ‖g‖²`` off by more than :data:`ALTERED_RTOL` of ``Σ grad_sq_norms`` (or, accumulating
+        the drop-in's statistics, of ``Σ mean_sq_norms``): clipped, scaled or otherwise changed between
+        ``value_and_grad`` and ``update``. The update sets this call's squared norms to ``−∞``, which the one
+        reduction carries to every replica (the update is skipped everywhere); :func:`count_altered` counts it.
     """
 
     sq_leaves: list[Array]
@@ -128,6 +140,9 @@ class Samples:
                 mean_sq = measured
             else:  # b comes from the accumulated gradients: they must be the ones measured
                 altered = _altered(jax.tree.leaves(grads), measured)
+        if microbatch_stats.grad_sq_norms is not None and mean_sq is None:  # b comes from these gradients
+            given = _altered(jax.tree.leaves(grads), _leaves(treedef, microbatch_stats.grad_sq_norms, "grad_sq_norms"))
+            altered = given if altered is None else altered | given
         return cls(sq, microbatch_stats.num_microbatches, mean_sq, rows, weights, altered)
 
 
@@ -142,6 +157,15 @@ def _altered(grads: list[Array], measured: list[Array]) -> Array:
     given = sum((_norms.leaf_sq_norm(g) for g in grads), jnp.zeros([], jnp.float32))
     want = sum((jnp.asarray(m, jnp.float32) for m in measured), jnp.zeros([], jnp.float32))
     return jnp.abs(given - want) > ALTERED_RTOL * want
+
+
+def count_altered(a: Array, state: Any, new_state: Any) -> Any:
+    """After the reduction: an update skipped because a replica's gradients were not those its statistics measured
+    (its squared norms set to ``−∞``, so the reduced ``a`` is ``−∞``) counts in ``altered_grads_steps``. ``a`` is
+    replicated, so the count is (a replica's own flag is not)."""
+    altered = jnp.any(jnp.isneginf(a)) & (new_state.skipped_steps != state.skipped_steps)
+    count = new_state.altered_grads_steps
+    return new_state._replace(altered_grads_steps=jnp.where(altered, optax.safe_increment(count), count))
 
 
 def _leaves(treedef: Any, tree: Any, name: str) -> list[Array]:

@@ -109,19 +109,45 @@ def _statistics(estimator: est.Settings, shape: Shape, a: Array, b: Array, state
     return _Statistics(count, weight, sqr_weight, grad_var, grad_sqr, gain, group_gains, floored, ok)
 
 
-def _learning_rates(update: Update, stats: _Statistics, tau_whole: Array) -> tuple[Array, Array, Array, Array, Array]:
-    """``lr(⌊τ⌋)``, the step ``r·lr``, each group's step, whether they are finite, whether ``lr < 0``.
+def _learning_rates(
+    update: Update, stats: _Statistics, tau_whole: Array, inner_state: Any, last_gain: Array
+) -> tuple[_Statistics, Array, Array, Array, Array, Array]:
+    """The gains after the τ clock's stability guard, ``lr(⌊τ⌋)``, the step ``r·lr``, each group's step, whether
+    they are finite, whether ``lr < 0``.
 
-    A negative ``lr`` within float rounding of zero (``1e-6`` of the schedule's magnitude) is zero.
+    A negative ``lr`` within float rounding of zero (``1e-6`` of the schedule's magnitude) is zero. The guard
+    (:func:`_clock.gain_limit`, from the curvature ``inner``'s τ-clock momentum measured along its last steps; ``+inf``
+    for any other ``inner``) caps the gain, and with it the credit ``τ`` is given: ``min(r, limit)`` is ``r`` bit for
+    bit wherever it does not bind.
     """
     schedule = update.learning_rate
     lr = jnp.asarray(schedule(tau_whole) if callable(schedule) else schedule, jnp.float32)
     if update.lr_magnitude > 0:
         lr = jnp.where((lr < 0) & (lr >= -1e-6 * update.lr_magnitude), jnp.zeros_like(lr), lr)
+    limit = _clock.gain_limit(inner_state, lr, last_gain)
+    stats = stats._replace(gain=jnp.minimum(stats.gain, limit), group_gains=jnp.minimum(stats.group_gains, limit))
     step_size = update.estimator.step_size(stats.gain, lr)
     group_steps = update.estimator.step_size(stats.group_gains, lr)
     finite = jnp.isfinite(step_size) & jnp.all(jnp.isfinite(group_steps))
-    return lr, step_size, group_steps, finite, finite & (lr < 0)
+    return stats, lr, step_size, group_steps, finite, finite & (lr < 0)
+
+
+def _base_steps(shape: Shape, stats: _Statistics, lr: Array, grads: Any, state: Any) -> _clock.BaseSteps:
+    """What this update tells an ``inner`` that counts base steps: its gain (each leaf its group's, with labels),
+    ``lr(⌊τ⌋)``, the expected squared norm ``σ̄²/S`` of the averaged gradient's noise, and the last applied update's
+    step ``r·lr`` (the state's). The noise reads the averages through the last update: an input of the program, so
+    every program that reaches the same state reads the same bits (this step's average is recomputed where it is
+    fused, 1 ulp apart between an accumulation and a ramp pinned at the same ``k``)."""
+    groups = shape.groups
+    gain: Any = stats.gain
+    last: Any = state.gain * state.base_lr
+    if groups.labels is not None:
+        leaves, treedef = jax.tree.flatten(grads)
+        gain = treedef.unflatten([stats.group_gains[g] for g in groups.leaf_group])
+        last_gains = groups.unpack(state.group_gains)
+        last = treedef.unflatten([last_gains[g] * state.base_lr for g in groups.leaf_group])
+    noise = jnp.sum(groups.unpack(state.grad_var)) / jnp.asarray(shape.S, jnp.float32)
+    return _clock.BaseSteps(gain=gain, learning_rate=lr, noise=noise, last_step=last)
 
 
 def _scale_updates(leaves: list[Array], steps: Array, leaf_group: tuple[int, ...], ok: Array) -> list[Array]:
@@ -147,16 +173,15 @@ def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_a
     with jax.named_scope("adascale/statistics"):
         stats = _statistics(update.estimator, shape, a, b, state)
     with jax.named_scope("adascale/learning_rate"):
-        lr, step_size, group_steps, lr_finite, negative = _learning_rates(update, stats, state.tau_whole)
+        stats, lr, step_size, group_steps, lr_finite, negative = _learning_rates(
+            update, stats, state.tau_whole, state.inner_state, state.gain
+        )
         ok = stats.ok & lr_finite & ~negative
         negative = stats.ok & negative  # the reason recorded: non-finite statistics take precedence
     # inner's update reads the state the skip keeps: selecting after inner made XLA copy every donated state buffer
     # (Adam's μ and ν) before writing it in place (_inner's docstring says how each inner avoids it).
     with jax.named_scope("adascale/inner"):
-        inner_args = extra_args
-        if not (isinstance(shape.n, int) and shape.n == 1):  # the τ clock's inners read the gain (core/_clock)
-            tau = state.tau_whole.astype(jnp.float32) + state.tau_frac
-            inner_args = dict(extra_args, **{_clock.GAIN: stats.gain, _clock.TAU: tau})
+        inner_args = dict(extra_args, **{_clock.KEYWORD: _base_steps(shape, stats, lr, mean_grads, state)})
         inner_updates, kept_inner_state = _inner.run(
             update.inner, ok, mean_grads, state.inner_state, params, inner_args
         )

@@ -8,9 +8,12 @@ class (``_table``) and its operands' types:
 * elementwise: operands sharded alike (a replicated operand resharded like the sharded one of the same shape;
   operands whose specs conflict gathered off the model axes, then, if they still conflict, off every axis);
 * a contraction sums its partial products: its output sharded like the operands' free and batch dimensions, the
-  contracted axes dropped (:func:`contraction_sharding`, also for a contraction with the rows and a copy);
+  contracted axes dropped (:func:`contraction_sharding`, also for a contraction with the rows and a copy); an axis
+  splitting one operand's contracted dimension and the other's free one is gathered off the first
+  (:func:`contraction_operands`);
 * an operation along a dimension (sort, cumsum, top_k, rev, concatenate) split over some axes: on its operands
-  gathered off those axes, as the Explicit way writes it (``jax.reshard``);
+  gathered off those axes, as the Explicit way writes it (``jax.reshard``); several operands of one shape (a stable
+  sort's keys and their positions) sharded alike, as elementwise;
 * a lookup (a gather from an operand not split like its indices, or along a split dimension): sharded like its
   indices, the converted axes Auto inside (:func:`gather_indexed`);
 * anything else as traced: where Explicit types cannot express it, JAX's error becomes our refusal
@@ -40,12 +43,13 @@ def decide(layout: Layout, kind: Kind, eqn, invals: list[Any]) -> Any:
     if kind is Kind.ELEMENTWISE:
         return _rebind.rebind(layout, eqn, _alike(layout, invals))
     if kind is Kind.CONTRACTION:
+        invals = contraction_operands(eqn, invals)
         return _rebind.rebind(layout, eqn, invals, contraction_params(eqn, invals))
     if kind is Kind.ALONG:
         rank = jnp.ndim(invals[0])
         along = set(_compat.along_dims(eqn, rank))
         axes = frozenset(a for x in invals if jnp.ndim(x) for d in along for a in _spec_axes(x, d))
-        return _rebind.rebind(layout, eqn, [_off_axes(x, axes) for x in invals] if axes else invals)
+        return _rebind.rebind(layout, eqn, _alike(layout, [_off_axes(x, axes) for x in invals] if axes else invals))
     if looks_up(eqn, invals):
         return gather_indexed(layout, eqn, invals)
     return _rebind.rebind(layout, eqn, invals)
@@ -83,6 +87,25 @@ def _alike(layout: Layout, invals: list[Any]) -> list[Any]:
 
 def _spec_axes(x: Any, d: int) -> tuple[str, ...]:
     return _types.spec_axes(_types.partitions(x)[d]) if d < jnp.ndim(x) else ()
+
+
+def contraction_operands(eqn, invals: list[Any]) -> list[Any]:
+    """GSPMD's operands for a ``dot_general`` whose contracted dimensions are split differently: an axis that splits
+    one operand's contracted dimension but not the other's, and splits a free or batch dimension of that other, is
+    gathered off the first (``x`` split along its features over ``tensor`` times a weight split along its outputs
+    over ``tensor``: ``x`` gathered, the output split like the weight's outputs, as GSPMD shards a Megatron layer).
+    Kept, that axis would be dropped from the output and the weight gathered whole on every device."""
+    (lc, rc), _ = _compat.contraction_dims(eqn)
+    lhs, rhs = (_types.partitions(x) for x in invals)
+    out = list(invals)
+    for i, (mine, theirs, own_c, their_c) in enumerate(((lhs, rhs, lc, rc), (rhs, lhs, rc, lc))):
+        contracted = {a for d in own_c for a in _types.spec_axes(mine[d])}
+        shared = {a for d in their_c for a in _types.spec_axes(theirs[d])}
+        elsewhere = {a for d in range(len(theirs)) if d not in their_c for a in _types.spec_axes(theirs[d])}
+        axes = frozenset((contracted - shared) & elsewhere)
+        if axes:
+            out[i] = _off_axes(out[i], axes)
+    return out
 
 
 def contraction_params(eqn, invals) -> dict[str, Any]:

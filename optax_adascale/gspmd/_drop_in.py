@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from optax_adascale.core import _checks, _microbatch
 from optax_adascale.core._samples import MicrobatchStats
-from optax_adascale.gspmd import _batch, _convert, _global, _mesh, _specs, _split
+from optax_adascale.gspmd import _batch, _convert, _global, _mesh, _nnx, _specs, _split
 from optax_adascale.gspmd._call import Call
 from optax_adascale.gspmd._layout import Layout
 
@@ -92,6 +92,17 @@ def value_and_grad(
       a contraction over a tensor-parallel dimension sums its partial products.
       A loss that cannot run that way raises a ``ValueError`` naming the
       Explicit mesh as the fix.
+
+    **Flax NNX**: modules and ``nnx.Rngs`` among the arguments are taken as
+    ``nnx.value_and_grad`` takes them (``loss_fn(model, batch, rngs)`` inside
+    ``nnx.jit``): the module ``argnums`` names is differentiated with respect to
+    its ``nnx.Param`` variables (``argnums=nnx.DiffState(i, filter)`` for
+    another filter), ``grads`` and ``stats.sq_norms`` are that ``nnx.State``
+    (what ``nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, grads,
+    microbatch_stats=stats)`` takes), the other variables (BatchNorm's
+    statistics, RNG counts) are threaded as state and written back into the
+    objects, and on Auto axes the parameters' layout comes from the variables'
+    sharding metadata unless ``param_specs`` is given.
 
     **Per replica** (``data_axes=None``): inside ``shard_map``, ``pmap`` or
     ``vmap`` the batch is already the replica's; its ``k`` contiguous micro-batches
@@ -156,9 +167,40 @@ def value_and_grad(
     """
     _checks.check_static_int("num_microbatches", num_microbatches)
     _checks.check_bool("has_aux", has_aux)
+    argnums, nnx_filters = _nnx.split_argnums(argnums)
     call = Call.of(argnums, state_argnum, has_aux)
     if data_axes is None:
-        return _per_replica(loss_fn, call, num_microbatches, has_aux, mesh, unroll)
+        plain = _per_replica(loss_fn, call, num_microbatches, has_aux, mesh, unroll)
+    else:
+        plain = _global_batch(loss_fn, call, data_axes, num_microbatches, has_aux, mesh, param_specs, arg_specs, unroll)
+
+    def make(pure_loss, **kwargs):
+        return value_and_grad(
+            pure_loss, data_axes=data_axes, num_microbatches=num_microbatches, mesh=mesh, unroll=unroll, **kwargs
+        )
+
+    def dispatch(*args):
+        nodes = _nnx.positions(args)
+        if not nodes:
+            return plain(*args)
+        return _nnx.call(
+            make,
+            loss_fn,
+            args,
+            nodes,
+            argnums=call.argnums,
+            single=call.single,
+            filters=nnx_filters,
+            has_aux=has_aux,
+            state_argnum=state_argnum,
+            arg_specs=arg_specs,
+            param_specs=param_specs,
+        )
+
+    return dispatch
+
+
+def _global_batch(loss_fn, call, data_axes, num_microbatches, has_aux, mesh, param_specs, arg_specs, unroll):
     names = _mesh.data_axis_names(data_axes)
 
     def fn(*args):

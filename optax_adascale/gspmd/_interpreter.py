@@ -72,6 +72,7 @@ class Interpreter:
         self.data = frozenset(layout.data)
         self.rows = layout.rows
         self.partial = partial  # ids of contractions left unreduced (a custom rule's backward pass, _custom)
+        self.in_auto: dict[int, Any] = {}  # copies cast to Auto axes (jax.sharding.auto_axes) by id, see array
 
     # ------------------------------------------------------------------ the loop
 
@@ -138,6 +139,8 @@ class Interpreter:
     def array(self, eqn, invals, lineage=None):
         """An equation of an array primitive (the module docstring)."""
         kind = kind_of(_compat.primitive_name(eqn))
+        if kind is Kind.GROUPED and any(id(x) in self.in_auto for x in invals):
+            raise ValueError(_local.grouped_on_auto_axes(self.layout))
         copies = [_types.is_array(x) and bool(_types.reduced_axes(x)) for x in invals]
         if not any(copies):
             return _auto.decide(self.layout, kind, eqn, invals) if self.convert else self.rebind(eqn, invals)
@@ -148,11 +151,16 @@ class Interpreter:
         if carried and not rows and _compat.binds_on_reduced(_compat.primitive_name(eqn)):
             return self.rebind(eqn, invals)
         if kind is Kind.CONTRACTION and rows:
-            return self.rebind(eqn, invals, _auto.contraction_params(eqn, invals) if self.convert else None)
+            if not self.convert:
+                return self.rebind(eqn, invals)
+            invals = _auto.contraction_operands(eqn, invals)
+            return self.rebind(eqn, invals, _auto.contraction_params(eqn, invals))
         if kind is Kind.ELEMENTWISE and rows:
             out = _local.by_rows(self.layout, eqn, invals)
             if out is not None:
                 return out
+        if kind is Kind.GROUPED and rows:
+            return _local.by_groups(self.layout, eqn, invals)
         if self.convert and rows and _auto.looks_up(eqn, invals):  # GSPMD's embedding lookup: the rows' partials
             return _auto.gather_indexed(self.layout, eqn, invals)
         return _local.local(self.layout, kind, eqn, invals)
@@ -223,7 +231,12 @@ class Interpreter:
         target = _compat.target_sharding(eqn)
         if _mesh.auto_axes(target.mesh):  # a cast to Auto axes (how .at[].get(out_sharding=) gathers): as traced
             # traced on the Auto mesh and run on the Explicit one, the cast is the hint a constraint is
-            return _auto.hint(self.layout, x, target.spec) if self.convert else self.rebind(eqn, invals)
+            if self.convert:
+                return _auto.hint(self.layout, x, target.spec)
+            out = self.rebind(eqn, invals)
+            if _types.reduced_axes(x):  # a copy on Auto axes: JAX transposes a grouped matmul of it wrongly
+                self.in_auto[id(out)] = out  # kept alive: its id names it while the loss is evaluated
+            return out
         reduced = _types.reduced_axes(x)
         if not reduced:
             return self.rebind(eqn, invals)

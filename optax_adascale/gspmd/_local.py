@@ -9,6 +9,11 @@ a copy with constants): forward on the plain values (the same numbers on every d
 VJP applied to each device's partial cotangent, on its own rows (a ``shard_map`` manual over the data axes), or
 ``vmap``\\ ped over the stacked shards where an operand is split over a model axis too. With the rows, that needs the
 equation local to them (``_rows.mixes`` for its class); otherwise a ``ValueError`` says how to write that step.
+
+:func:`by_groups` (a grouped contraction of the rows and a copy, ``lax.ragged_dot(tokens, experts, group_sizes)``):
+its groups index the whole batch's rows, so each device's rows are run with its own copy and its own groups' sizes
+(the overlap of each group with its block of rows) in a ``shard_map`` manual over every axis; its transpose gives
+each device's partial.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -100,6 +107,81 @@ def by_rows(layout: Layout, eqn, invals) -> Any:
     out = _rebind.rebind(layout, eqn, [split(x) for x in invals])
     parts = _types.partitions(out)
     return out.reshape(out_shape, out_sharding=P(*parts[:d], entry, *parts[d + 2 :]))
+
+
+def by_groups(layout: Layout, eqn, invals) -> Any:
+    """A grouped contraction (``ragged_dot_general``) of the rows (its lhs, split over the data axes along its
+    ragged dimension) and a copy (its rhs): each device's rows with its own copy and its groups' sizes (the module
+    docstring). Any other layout is refused with our ``ValueError`` naming the one it takes."""
+    lhs, rhs, sizes = invals
+    data = frozenset(layout.data)
+    dims = _compat.ragged_dims(eqn)
+    lhs_parts, rhs_parts = _types.partitions(lhs), _types.partitions(rhs)
+    free = [d for d in range(jnp.ndim(lhs)) if d not in dims.contracting and d not in dims.batch]
+    takes = (
+        not dims.offset
+        and not dims.batch
+        and not layout.extra
+        and dims.ragged in free
+        and bool(_types.reduced_axes(rhs))
+        and not _types.reduced_axes(lhs)
+        and _types.spec_axes(lhs_parts[dims.ragged]) == layout.data
+        and all(e is None for d, e in enumerate(lhs_parts) if d != dims.ragged)
+        and all(e is None for d, e in enumerate(rhs_parts) if d not in dims.rhs_free)
+        and not (_types.axes_of(rhs) & data)
+    )
+    if not takes:
+        raise ValueError(_not_grouped(eqn, lhs_parts, rhs_parts, layout))
+    stacked, entry = _copies.copies(layout, rhs, data)
+    sizes = jax.reshard(sizes, P()) if _types.axes_of(sizes) else sizes
+    rows_per_device = lhs.shape[dims.ragged] // layout.shards
+    out_spec = P(
+        *(layout.data_spec if d == dims.ragged else None for d in free), *(rhs_parts[d] for d in dims.rhs_free)
+    )
+    sharding = lambda v: isinstance(v, (NamedSharding, P))  # noqa: E731
+
+    def body(x, w, counts):
+        start = lax.axis_index(layout.data) * rows_per_device
+        ends = jnp.cumsum(counts)
+        begins = ends - counts
+        stop = start + rows_per_device
+        own = jnp.clip(jnp.minimum(ends, stop) - jnp.maximum(begins, start), 0, None).astype(counts.dtype)
+        return _compat.bind(eqn, [x, w[0], own], context=False, drop=sharding)
+
+    return jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(P(*lhs_parts), P(entry, *rhs_parts), P()),
+        out_specs=out_spec,
+        axis_names=frozenset(layout.axis_names),
+        check_vma=False,
+    )(lhs, stacked, sizes)
+
+
+def _not_grouped(eqn, lhs_parts, rhs_parts, layout: Layout) -> str:
+    return (
+        f"value_and_grad(data_axes={layout.data_spec!r}): loss_fn applies the grouped contraction "
+        f"'{_compat.primitive_name(eqn)}' (lax.ragged_dot) to a parameter (sharded {P(*rhs_parts)}) and the batch's "
+        f"rows (sharded {P(*lhs_parts)}). Its groups index the whole batch's rows, so the drop-in runs it on each "
+        "device's rows with that device's own copy and its groups' sizes; that needs the lhs's ragged dimension "
+        f"split over the data axes alone (P({layout.data_spec!r}, None)), its other dimensions whole, no batch "
+        "dimension, no group_offset and the parameter not split over the data axes (gather an FSDP weight first: "
+        "jax.reshard(w, P(...)) without the data axes). Lay the tokens out that way (jax.reshard(x, "
+        f"P({layout.data_spec!r}, None))), or run the grouped matmul inside a jax.shard_map manual over the data "
+        "axes, as MaxText's sparse MoE does."
+    )
+
+
+def grouped_on_auto_axes(layout: Layout) -> str:
+    return (
+        f"value_and_grad(data_axes={layout.data_spec!r}): loss_fn casts a parameter to Auto axes "
+        "(jax.sharding.auto_axes) and applies a grouped matmul (lax.ragged_dot) to it there. JAX 0.10-0.12 transposes "
+        "that matmul on Auto axes into wrong per-device partials for a parameter's copy (jax.value_and_grad of the "
+        "same loss with the parameter typed reduced disagrees with it), so the gradient and the statistics would be "
+        f"wrong. Call lax.ragged_dot(tokens, experts, group_sizes, out_sharding=P({layout.data_spec!r}, None)) on the "
+        "Explicit mesh instead, without auto_axes: the drop-in runs it on each device's rows, exactly (on an "
+        "Explicit mesh JAX itself cannot differentiate it)."
+    )
 
 
 def _row_dims(x: Any, data: frozenset[str]) -> frozenset[int]:
@@ -239,7 +321,7 @@ def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: 
         if r:
             out.append(_copies.unstack_partials(layout, g, x))  # a reduced input: each device's partial
         elif spec == P(entry):
-            out.append(jnp.sum(g, axis=0))  # a replicated input: the reduction JAX's own transpose would do
+            out.append(_summed(g, x))  # a replicated input: the reduction JAX's own transpose would do
         else:
             out.append(g)  # a data-sharded input: its rows, in place
     return out
@@ -271,8 +353,16 @@ def _per_shard_vmap(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: 
         elif rs.stacked:
             out.append(rs.unstack(g))  # a data-sharded input: its rows back in place
         else:
-            out.append(jnp.sum(g, axis=0))  # a replicated input: the reduction JAX's own transpose would do
+            out.append(_summed(g, x))  # a replicated input: the reduction JAX's own transpose would do
     return out
+
+
+def _summed(g: Any, x: Any) -> Any:
+    """The per-shard cotangents ``(shards, ...)`` of a replicated input summed; an integer input's (``float0``, an
+    index a decomposition's rule closes over) is its zero cotangent, which has no sum."""
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return np.zeros(jnp.shape(x), jax.dtypes.float0)
+    return jnp.sum(g, axis=0)
 
 
 def custom_refusal() -> str:

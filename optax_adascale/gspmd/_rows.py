@@ -19,6 +19,8 @@ def mixes(kind: Kind, eqn, rows: list[frozenset[int]]) -> str | None:
     every = frozenset().union(*rows)
     if kind is Kind.ELEMENTWISE:  # element i reads element i of each (broadcast) operand
         return None
+    if kind is Kind.ALONG and name == "stack":  # a copy stacked with the rows has their size: not per shard
+        return f"{name} of a parameter's copy with the rows" if every else None
     if kind is Kind.ALONG:  # concatenate, a multi-operand sort
         rank = len(getattr(_compat.traced_type(_compat.inputs(eqn)[0]), "shape", ()))
         return f"{name} along the rows" if set(_compat.along_dims(eqn, rank)) & every else None
@@ -31,4 +33,9 @@ def mixes(kind: Kind, eqn, rows: list[frozenset[int]]) -> str | None:
         return "gather from the rows" if rows[0] else None
     if kind is Kind.INDEXING and name == "pad":  # the operand's rows, padded with a copy along other dimensions
         return f"{name} along the rows" if set(_compat.padded_dims(eqn)) & rows[0] else None
+    if kind is Kind.LINALG and name == "triangular_solve":  # a x = b: each column of b its own solve (x a = b: row)
+        rank = len(getattr(_compat.traced_type(_compat.inputs(eqn)[1]), "shape", ()))
+        free = rank - 1 if _compat.solves_left(eqn) else rank - 2
+        across = rows[0] or rows[1] - {free}
+        return f"{name} with the rows in its matrix or across its right-hand side" if across else None
     return f"{name} applied to the rows"

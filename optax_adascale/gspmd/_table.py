@@ -4,8 +4,11 @@ A class says what the interpreter does with an equation of that primitive (``_in
 array primitives, when a parameter's copy meeting the rows stays local to them (``_rows``). A primitive's class is
 looked up here, never found by trying JAX and catching its error. An equation of a primitive missing here is bound
 as traced while no parameter's copy flows through it (nothing then depends on the class); with one, it is refused
-with our error naming it and the nearest class. ``tests/gspmd/test_table.py`` checks every name against each CI JAX
-and that the losses of the test zoo bind no primitive missing here.
+with our error: for a primitive refused on purpose (:data:`REFUSED`) the reason and the way out, else its name and
+the nearest class. ``tests/gspmd/test_table.py`` checks every name against each CI JAX and that the losses of the
+test zoo bind no primitive missing here; ``tests/gspmd/test_sweep.py`` that every primitive the differentiable
+public functions of ``jax.numpy`` (``linalg``, ``fft``), ``jax.nn`` and ``jax.lax`` (``linalg``) bind, forward and
+backward, is here or refused.
 """
 
 from __future__ import annotations
@@ -25,9 +28,19 @@ class Kind(enum.Enum):
         "a contraction: with the rows JAX's own rule (their sum is the partial); of the copies alone, per copy"
     )
     REDUCTION = "a reduction along some dimensions: per copy"
-    ALONG = "an operation along one dimension (cumulative, sort, top_k, rev, concatenate): per copy"
+    ALONG = (
+        "an operation along some dimensions (cumulative, sort, top_k, rev, concatenate, split, stack, fft): per copy"
+    )
     WINDOW = "a convolution or window: per copy, local to the rows along its batch dimension"
-    INDEXING = "a gather, scatter, slice or pad: per copy"
+    INDEXING = "a gather, scatter, slice, pad or tile: per copy"
+    LINALG = (
+        "a matrix decomposition or solve (cholesky, triangular_solve, eigh, qr, svd, lu): per copy; with the rows, "
+        "only a triangular solve whose right-hand side holds them in its independent columns"
+    )
+    GROUPED = (
+        "a grouped contraction (ragged_dot_general: the lhs's rows in groups, one matrix of the rhs each): per copy; "
+        "with the rows, on each device's rows with its own groups' sizes"
+    )
     OPAQUE = "no gradient reaches a parameter through it, or it runs inside a shard_map's body: bound as traced"
     # the interpreter's structural rules
     GATHER = "reshard: an FSDP gather returns a probed copy; a copy stays a copy"
@@ -54,6 +67,8 @@ ARRAY = frozenset(
         Kind.ALONG,
         Kind.WINDOW,
         Kind.INDEXING,
+        Kind.LINALG,
+        Kind.GROUPED,
     }
 )
 
@@ -64,25 +79,33 @@ _NAMES = {
     Kind.ELEMENTWISE: (
         "abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e bitcast_convert_type cbrt "
         "ceil clamp clz complex conj cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma "
-        "igamma_grad_a igammac imag integer_pow is_finite le lgamma log log1p log2 logistic lt max min mul ne neg "
-        "nextafter not one_minus_square or polygamma polynomial population_count pow real reduce_precision "
+        "igamma_grad_a igammac imag integer_pow is_finite le le_to lgamma log log1p log2 logistic lt lt_to max min mul "
+        "ne neg nextafter not one_minus_square or polygamma polynomial population_count pow real reduce_precision "
         "regularized_incomplete_beta rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical "
         "sign sin sinh sqrt square sub tan tanh xor zeta"
     ),
     Kind.CONTRACTION: "dot_general",
-    Kind.REDUCTION: "reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin",
-    Kind.ALONG: "cumsum cumprod cummax cummin cumlogsumexp sort top_k rev concatenate",
+    Kind.REDUCTION: "reduce reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin",
+    Kind.ALONG: (
+        "cumsum cumprod cummax cummin cumlogsumexp sort top_k approx_top_k rev concatenate split stack unstack fft"
+    ),
     Kind.WINDOW: "conv_general_dilated reduce_window_sum reduce_window_max reduce_window_min",
-    Kind.INDEXING: "gather scatter scatter-add scatter-mul scatter-min scatter-max slice dynamic_slice "
-    "dynamic_update_slice pad",
+    Kind.INDEXING: "gather scatter scatter-add scatter-sub scatter-mul scatter-min scatter-max slice dynamic_slice "
+    "dynamic_update_slice pad tile",
+    Kind.LINALG: (
+        "cholesky cholesky_update eig eigh geqp3 geqrf hessenberg householder_product lu ormqr qr schur svd "
+        "symmetric_product triangular_solve tridiagonal tridiagonal_solve custom_linear_solve"
+    ),
+    Kind.GROUPED: "ragged_dot_general",
     Kind.OPAQUE: (
-        "stop_gradient iota empty2 random_bits random_seed random_wrap random_unwrap random_fold_in random_split "
+        "stop_gradient iota empty empty2 create_token dce_sink lu_pivots_to_permutation random_bits random_seed "
+        "random_wrap random_unwrap random_fold_in random_split "
         "threefry2x32 rng_bit_generator platform_index device_put optimization_barrier name psum psum_invariant "
         "pmax pmin ppermute all_gather all_to_all reduce_scatter axis_index"
     ),
     Kind.GATHER: "reshard",
     Kind.HINT: "sharding_constraint",
-    Kind.CALL: "jit closed_call",
+    Kind.CALL: "jit closed_call eval_jaxpr",
     Kind.REMAT: "remat2",
     Kind.SCAN: "scan",
     Kind.WHILE: "while",
@@ -104,14 +127,34 @@ ONLY_ON: dict[str, tuple[str | None, str | None]] = {
 }
 
 
+# Primitives a public JAX function binds that the drop-in refuses on a parameter's copy: the reason and the way out.
+# ``tests/gspmd/test_sweep.py`` checks that every primitive the public differentiable functions bind is in TABLE or
+# here, and never in both.
+REFUSED: dict[str, str] = {
+    "scaled_dot": (
+        "lax.scaled_dot (a block-scaled low-precision matmul) has no derivative rule in JAX, so jax.value_and_grad "
+        "of a loss applying it to a parameter fails as well. Apply it to values that are not parameters (or "
+        "quantize the parameter in a jax.custom_vjp with a straight-through backward pass, as AQT does)"
+    ),
+    "call_hi_primitive": (
+        "JAX 0.12 binds jnp.searchsorted and jnp.digitize as a hijax primitive whose rule the table cannot see; "
+        "they return indices, through which no gradient reaches a parameter. Compute those indices from a value "
+        "that is not a parameter (the bins outside the loss, passed in as an argument), or from the batch alone"
+    ),
+}
+
+
 def kind_of(name: str) -> Kind | None:
     """The class of the primitive named ``name``, or ``None`` if the table does not know it."""
     return TABLE.get(name)
 
 
 def unknown(name: str, carries_jaxprs: bool) -> str:
-    """Our error for a primitive the table does not know, applied to a parameter's copy: its name and the nearest
-    class (a call's, for a primitive that carries jaxprs; else that of the most similar name)."""
+    """Our error for a primitive the table does not know, applied to a parameter's copy: for one it refuses
+    (:data:`REFUSED`), the reason and the way out; else its name and the nearest class (a call's, for a primitive
+    that carries jaxprs; else that of the most similar name)."""
+    if name in REFUSED:
+        return f"value_and_grad(data_axes=...): loss_fn applies the primitive '{name}' to a parameter: {REFUSED[name]}."
     if carries_jaxprs:
         nearest = Kind.CALL
     else:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale.core import _axes, _collect, _norms, _samples, _step
+from optax_adascale.core import _axes, _clock, _collect, _norms, _samples, _step
 from optax_adascale.sharding import _tensor, _zero
 
 
@@ -66,12 +66,17 @@ class AllReduce:
         model = shape.axes.model
         if model.axes:  # inner sees each device's piece of a split leaf: it must be shard-safe
             _tensor.check_model_split(update.inner, local_grads, model)
-            extra_args = dict(extra_args, adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(local_grads), model))
+            extra_args = dict(
+                extra_args,
+                adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(local_grads), model),
+                **{_clock.SUMS: _tensor.sums_fn(model)},
+            )
         with jax.named_scope("adascale/reduce"):
             mean, a, b = _collect.reduce_statistics(
                 local_grads, local_sq, shape.axes, shape.groups, samples.weights, samples.mean_sq
             )
-        return _step.apply(update, shape, mean, a, b, state, params, extra_args)
+        new_updates, new_state = _step.apply(update, shape, mean, a, b, state, params, extra_args)
+        return new_updates, _samples.count_altered(a, state, new_state)
 
 
 # --------------------------------------------------------------------------- ZeRO rows
@@ -179,8 +184,13 @@ def _row_step(update: _step.Update, shape: _step.Shape, mean, local_sq, state, p
             lambda x: jnp.reshape(x, x.shape[len(lead) :]) if jnp.ndim(x) else x, state.inner_state.rows
         )
     )
-    extra = dict(extra_args, adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(mean), model, axis))
+    extra = dict(
+        extra_args,
+        adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(mean), model, axis),
+        **{_clock.SUMS: _tensor.sums_fn(model, axis)},
+    )
     row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra)
+    new_state = _samples.count_altered(a, shard_state, new_state)
     new_rows = jax.tree.map(
         lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
         new_state.inner_state,

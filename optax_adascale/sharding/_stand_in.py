@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_adascale.core import _clock
+
 GRAD_SCALES = (1e-3, 1.0, 1e3, 1e6, 1e9, 1e12)
 
 
@@ -92,7 +94,7 @@ def compare(
             full_p = treedef.unflatten([0.5 * _pattern(s, d, 5) for s, d in zip(shapes, dtypes, strict=True)])
             base_g = treedef.unflatten([_pattern(s, d, 7) for s, d in zip(shapes, dtypes, strict=True)])
             state = inner.init(full_p)
-            whole_of = lambda g: jax.tree.leaves(inner.update(g, state, full_p)[0])  # noqa: E731
+            whole_of = lambda g: jax.tree.leaves(inner.update(g, state, full_p, **_clock.probe_args())[0])  # noqa: E731
             run = pieces(full_p, whole_of)
             results = []
             for scale in GRAD_SCALES:

@@ -48,6 +48,22 @@ def sq_norm_fn(treedef: Any, model: ModelAxes, data_axes: AxisName | None = None
     return sq_norm
 
 
+def sums_fn(model: ModelAxes, data_axes: AxisName | None = None):
+    """The global sum of per-leaf local scalars (each leaf's a vector), for the τ clock's guard (``core/_clock``).
+
+    Masked as :meth:`ModelAxes.mask` (a leaf replicated over a model axis counts once) and summed over the model axes
+    and ``data_axes`` (ZeRO's rows) in one ``psum`` of the stacked vector: one scalar-sized collective.
+    """
+    data = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes or ())
+    names = data + model.axes
+
+    def sums(parts: list[Array]) -> Array:
+        local = jnp.sum(jnp.stack(model.mask(parts)), axis=0)
+        return lax.psum(local, names) if names else local
+
+    return sums
+
+
 @contextlib.contextmanager
 def _off_mesh():
     """Leave the caller's shard_map (its mesh and varying-type checks): the probes' vmap axes are no mesh axes."""

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale.core import _axes, _norms
+from optax_adascale.core import _axes, _clock, _norms
 from optax_adascale.sharding import _stand_in, _tensor
 
 Array = jax.Array
@@ -108,7 +108,7 @@ def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any,
 
         def one_row(g, s, p):
             sq_norm = _tensor.sq_norm_fn(jax.tree.structure(g), _axes.ModelAxes(), "zero_probe")
-            return inner.update(g, s, p, adascale_sq_norm=sq_norm)[0]
+            return inner.update(g, s, p, adascale_sq_norm=sq_norm, **_clock.probe_args())[0]
 
         axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, rows_state)
         rows_update = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")

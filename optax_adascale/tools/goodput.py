@@ -104,6 +104,8 @@ from typing import Any
 
 import numpy as np
 
+from optax_adascale.core import _read
+
 __all__ = ("Choice", "StepTimeModel", "choose_scale", "gain")
 
 _NO_STATISTICS = (
@@ -326,10 +328,10 @@ class Choice:
     @property
     def noise_scale(self) -> float:
         """``B_noise = σ̄²/μ̄²`` in base batches, read as ``optax_adascale.metrics`` reads it: ``inf`` for pure
-        noise (``μ̄² = 0 < σ̄²``), NaN without statistics (``σ̄² = μ̄² = 0``: nothing measured yet)."""
-        if self.grad_sqr > 0:
-            return self.grad_var / self.grad_sqr
-        return math.inf if self.grad_var > 0 else math.nan
+        noise (``μ̄² = 0 < σ̄²``), NaN without statistics (``σ̄² = μ̄² = 0``: nothing measured yet, or a statistic
+        that is not finite). The reader is ``metrics``' own (``core/_read.noise_scale``), not a copy of it."""
+        b, _ = _read.noise_scale(self.grad_var, self.grad_sqr, True)
+        return float(b)
 
     @property
     def seconds_per_tau(self) -> np.ndarray:

@@ -298,10 +298,12 @@ def test_accessors_read_a_checkpoint_restored_without_target(tmp_path, make):
     restored = optax_adascale.get_adascale_state(raw)
     original = optax_adascale.get_adascale_state(opt_state)
     for field in AdaScaleState._fields:  # the containers are plain (inner_state: lists, dicts), the leaves equal
-        for a, b in zip(
-            jax.tree.leaves(getattr(restored, field)), jax.tree.leaves(getattr(original, field)), strict=True
-        ):
-            np.testing.assert_array_equal(a, b, err_msg=field)
+        # Matched by key path, not by position: a NamedTuple restored as a dict lists its leaves in the order of its
+        # sorted keys (the τ clock's TraceState: curvature, decay, ..., trace), not in the order of its fields.
+        a, b = _leaves_by_path(getattr(restored, field)), _leaves_by_path(getattr(original, field))
+        assert a.keys() == b.keys(), field
+        for path in b:
+            np.testing.assert_array_equal(a[path], b[path], err_msg=f"{field} {path}")
     expected = optax_adascale.metrics(opt_state)
     actual = optax_adascale.metrics(raw)
     assert actual.keys() == expected.keys()
@@ -310,6 +312,12 @@ def test_accessors_read_a_checkpoint_restored_without_target(tmp_path, make):
     np.testing.assert_array_equal(
         optax_adascale.scale_invariant_steps(raw), optax_adascale.scale_invariant_steps(opt_state)
     )
+
+
+def _leaves_by_path(tree: Any) -> dict[tuple[str, ...], Any]:
+    """A tree's leaves keyed by the names along their paths (a field, a dict key and an index all read as a name)."""
+    name = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))  # noqa: E731
+    return {tuple(name(k) for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _as_0_1_0_checkpoint(state: AdaScaleState) -> dict[str, Any]:
@@ -354,12 +362,18 @@ def test_a_0_2_0_checkpoint_restores_and_continues_with_the_new_default_estimato
     raw = restore(tmp_path / "ckpt")
     assert int(optax_adascale.metrics(raw["opt_state"])["skipped_negative_lr_steps"]) == 0
 
-    new = Replicas("vmap", 4, tx_for(4))
+    # clock="update": 0.2.0's inner state is optax.TraceState (its momentum per update); the default τ clock's
+    # TraceState holds the guard's scalars besides, so the state moves only into the update clock's (what this test
+    # is about is the checkpoint's format and the estimator's averages, not the clock).
+    default = Replicas("vmap", 4, make_tx(SCHEDULE, axis_name=AXIS))
+    with pytest.raises(ValueError, match="clock='update'"):  # into 0.4.0's default: refused, naming the fix
+        optax_adascale.transfer_state(raw["opt_state"], default.init(init_params())[1])
+    new = Replicas("vmap", 4, make_tx(SCHEDULE, axis_name=AXIS, clock="update"))
     resumed = optax_adascale.transfer_state(raw["opt_state"], new.init(init_params())[1])
     before = optax_adascale.get_adascale_state(resumed)
     _, state, _ = new.run(raw["params"], resumed, range(5, 6))
     after = optax_adascale.get_adascale_state(state)
-    expected = _expected_gain(before, _grads_per_replica(jax.device_get(params), 5, 4))
+    expected = _expected_gain(before, _grads_per_replica(jax.device_get(params), 5, 4), guarded=False)
     for field, value in expected.items():
         np.testing.assert_allclose(float(getattr(after, field)), value, rtol=1e-5, err_msg=field)
     assert int(after.count) == 6
@@ -399,10 +413,15 @@ def _grads_per_replica(params, call: int, n: int) -> np.ndarray:
     return np.concatenate([np.asarray(grads["w"], np.float64), np.asarray(grads["b"], np.float64)[:, None]], axis=1)
 
 
-def _expected_gain(prev: AdaScaleState, grads: np.ndarray) -> dict[str, float]:
+def _expected_gain(prev: AdaScaleState, grads: np.ndarray, *, guarded: bool = True) -> dict[str, float]:
     """AdaScale's update of the carried moving averages by this step's moments, in float64, with the default
     estimator: a memory of max(0.05·τ, 4·r_{t−1}) base steps (θ = exp(−r_{t−1}/max(0.05·τ_t, 4·r_{t−1}))),
-    μ̂² averaged unfloored."""
+    μ̂² averaged unfloored.
+
+    ``guarded``: the default τ clock's applied gain, min(estimated gain, 1.1·max(r_{t−1}, 1), curvature cap). Its
+    curvature cap is left out: it only lowers the gain, so where the expected value matches it did not bind (these
+    runs, five updates of a small MLP, are held by the 10 % growth cap). ``False``: the update clock's, the
+    estimated gain itself."""
     n = S = grads.shape[0]
     a = np.mean(np.sum(grads**2, axis=1))
     b = np.sum(np.mean(grads, axis=0) ** 2)
@@ -416,6 +435,8 @@ def _expected_gain(prev: AdaScaleState, grads: np.ndarray) -> dict[str, float]:
     grad_sqr = (theta * w_prev * float(prev.grad_sqr) + (1 - theta) * sqr) / w
     mu2 = max(grad_sqr, 0.0)
     gain = float(np.clip((grad_var + mu2) / (grad_var / S + mu2), 1.0, S))
+    if guarded:
+        gain = min(gain, 1.1 * max(float(prev.gain), 1.0))
     return {"gain": gain, "grad_var": grad_var, "grad_sqr": grad_sqr, "ema_weight": w}
 
 

@@ -22,27 +22,42 @@ def _grads(seed, shape=(3,)):
     return jax.random.normal(jax.random.key(seed), shape)
 
 
+def _steps(gain, lr=0.1, noise=0.0, last_step=0.0):
+    """The keyword AdaScale hands an inner that counts base steps: an update worth ``gain`` base steps."""
+    return {
+        "base_steps": optax_adascale.BaseSteps(
+            jnp.float32(gain), jnp.float32(lr), jnp.float32(noise), jnp.float32(last_step)
+        )
+    }
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_trace_without_a_gain_or_at_gain_one_is_optax_trace_bit_for_bit(nesterov):
+def test_trace_at_gain_one_is_optax_trace_bit_for_bit(nesterov):
     ours, theirs = _clock.trace(BETA, nesterov=nesterov), optax.trace(BETA, nesterov=nesterov)
     params = jnp.zeros(3)
-    for gain in (None, 1.0):
-        s1, s2 = ours.init(params), theirs.init(params)
-        for i in range(4):
-            extra = {} if gain is None else {"adascale_gain": jnp.float32(gain)}
-            u1, s1 = ours.update(_grads(i), s1, **extra)
-            u2, s2 = theirs.update(_grads(i), s2)
-            assert bits_equal(u1, u2) and bits_equal(s1, s2)
+    s1, s2 = ours.init(params), theirs.init(params)
+    for i in range(4):
+        u1, s1 = ours.update(_grads(i), s1, **_steps(1.0))
+        u2, s2 = theirs.update(_grads(i), s2)
+        assert bits_equal(u1, u2) and bits_equal(s1.trace, s2.trace)
+
+
+@pytest.mark.parametrize("make", [_clock.trace, lambda b: _clock.scale_by_adam(b)], ids=["trace", "scale_by_adam"])
+def test_an_inner_that_counts_base_steps_refuses_to_run_without_the_gain(make):
+    """Outside AdaScale it would silently be optax's per-update average: it says so and names the way out."""
+    tx = make(BETA)
+    with pytest.raises(ValueError, match="counts base-batch steps.*base_steps"):
+        tx.update(_grads(0), tx.init(jnp.zeros(3)))
 
 
 @pytest.mark.parametrize("gain", [2, 3, 7])
 def test_one_update_worth_r_base_steps_leaves_the_trace_of_r_base_steps(gain):
     """``β^r m + (1 + β + … + β^{r−1}) g``: what ``r`` steps of ``optax.trace`` on the same gradient leave."""
     ours, theirs = _clock.trace(BETA), optax.trace(BETA)
-    start = optax.TraceState(trace=_grads(0))
+    start = ours.init(jnp.zeros(3))._replace(trace=_grads(0))
     g = _grads(1)
-    _, after = ours.update(g, start, adascale_gain=jnp.float32(gain))
-    s = start
+    _, after = ours.update(g, start, **_steps(gain))
+    s = optax.TraceState(trace=start.trace)
     for _ in range(gain):
         _, s = theirs.update(g, s)
     np.testing.assert_allclose(after.trace, s.trace, rtol=1e-5, atol=1e-6)  # float32, r sums
@@ -53,18 +68,20 @@ def test_a_constant_gradient_is_a_fixed_point_at_g_over_one_minus_beta_at_every_
     """In the steady state the step ``r·lr·m`` is ``r`` small-batch steps of ``lr·g/(1 − β)``."""
     g = _grads(2)
     fixed = g / (1 - BETA)
-    out, state = _clock.trace(BETA).update(g, optax.TraceState(trace=fixed), adascale_gain=jnp.float32(gain))
+    tx = _clock.trace(BETA)
+    out, state = tx.update(g, tx.init(g)._replace(trace=fixed), **_steps(gain))
     np.testing.assert_allclose(out, fixed, rtol=1e-5)
     np.testing.assert_allclose(state.trace, fixed, rtol=1e-5)
 
 
-def test_adam_without_a_gain_is_optax_scale_by_adam_bit_for_bit():
+def test_adam_at_gain_one_is_optax_scale_by_adam_bit_for_bit():
     ours, theirs = _clock.scale_by_adam(), optax.scale_by_adam()
     s1, s2 = ours.init(jnp.zeros(3)), theirs.init(jnp.zeros(3))
     for i in range(3):
-        u1, s1 = ours.update(_grads(i), s1)
+        u1, s1 = ours.update(_grads(i), s1, **_steps(1.0))
         u2, s2 = theirs.update(_grads(i), s2)
-        assert bits_equal(u1, u2) and bits_equal(s1, s2)
+        assert bits_equal(u1, u2) and bits_equal([s1.count, s1.mu, s1.nu], list(s2))
+    assert float(s1.base_steps) == 3.0
 
 
 @pytest.mark.parametrize("gain", [2, 5])
@@ -74,9 +91,10 @@ def test_adam_averages_after_an_update_worth_r_base_steps_are_those_of_r_base_st
     s2 = theirs.init(jnp.zeros(3))
     for i in range(3):  # a history of three base steps (τ = 3)
         _, s2 = theirs.update(_grads(i), s2)
-    start = optax.ScaleByAdamState(count=jnp.int32(1), mu=s2.mu, nu=s2.nu)
+    # its own count of base steps, 3, where optax's counts 3 updates (one update of gain 3 would count 1)
+    start = _clock.ScaleByAdamState(count=jnp.int32(1), base_steps=jnp.float32(3), mu=s2.mu, nu=s2.nu)
     g = _grads(9)
-    out, after = ours.update(g, start, adascale_gain=jnp.float32(gain), adascale_tau=jnp.float32(3))
+    out, after = ours.update(g, start, **_steps(gain))
     for _ in range(gain):
         base_out, s2 = theirs.update(g, s2)
     np.testing.assert_allclose(after.mu, s2.mu, rtol=1e-5, atol=1e-6)
@@ -84,6 +102,7 @@ def test_adam_averages_after_an_update_worth_r_base_steps_are_those_of_r_base_st
     # the direction: the r-th base step's, times r^(-1/2) (Adam's √r, made explicit)
     np.testing.assert_allclose(out, base_out / np.sqrt(gain), rtol=1e-4)
     assert int(after.count) == 2  # count still counts updates
+    assert float(after.base_steps) == 3 + gain  # and base_steps the base steps: the debias reads it
 
 
 def test_adam_step_under_the_gain_is_sqrt_r_times_the_learning_rate():
@@ -97,7 +116,7 @@ def test_adam_step_under_the_gain_is_sqrt_r_times_the_learning_rate():
 
 @pytest.mark.parametrize("clock", ["tau", "update"])
 def test_one_replica_is_exactly_optax_whatever_the_clock(clock):
-    """``n = S = 1`` passes no gain to ``inner``: the τ clock's inners are optax's own, bit for bit."""
+    """``n = S = 1``: every update is worth one base step, and the τ clock's inners are optax's own, bit for bit."""
     params = {"w": jnp.ones(3)}
     for ours, theirs in (
         (optax_adascale.adascale_sgd(0.1, momentum=BETA, clock=clock), optax.sgd(0.1, momentum=BETA)),
@@ -121,13 +140,13 @@ def test_an_unknown_clock_is_refused_with_the_choices():
 
 
 def _quadratic_run(inner, h, x0, lr, gain, updates):
-    """``updates`` steps ``x ← x − gain·lr·inner(Hx)`` with ``adascale_gain = gain``; ``x`` after each."""
+    """``updates`` steps ``x ← x − gain·lr·inner(Hx)`` with ``base_steps`` worth ``gain``; ``x`` after each."""
     inner = optax.with_extra_args_support(inner)
     state = inner.init(x0)
 
     def body(carry, _):
         x, s = carry
-        d, s = inner.update(h * x, s, adascale_gain=jnp.float32(gain))
+        d, s = inner.update(h * x, s, **_steps(gain, lr))
         x = x - gain * lr * d
         return (x, s), x
 
@@ -200,7 +219,7 @@ def test_on_a_noisy_quadratic_the_expected_loss_of_updates_at_gain_r_is_the_clos
         def body(carry, k):
             x, s = carry
             g = hj * x + scale * jax.random.normal(k, x.shape)
-            d, s = inner.update(g, s, adascale_gain=jnp.float32(r))
+            d, s = inner.update(g, s, **_steps(r, a))
             x = x - r * a * d
             return (x, s), 0.5 * jnp.sum(hj * x * x)
 
@@ -210,3 +229,115 @@ def test_on_a_noisy_quadratic_the_expected_loss_of_updates_at_gain_r_is_the_clos
     measured = jax.jit(jax.vmap(one_run))(jax.random.split(jax.random.key(0), runs))
     mean, se = np.asarray(measured.mean(0)), np.asarray(measured.std(0)) / np.sqrt(runs)
     assert np.all(np.abs(mean - np.asarray(predicted)) < 4 * se + 1e-5 * np.asarray(predicted)), (mean, predicted)
+
+
+# --------------------------------------------------------------------------- the stability guard
+
+
+def _guarded_run(h, x0, lr, proposed, updates, *, guard=True, nesterov=False):
+    """AdaScale's step on the noise-free quadratic ``½ xᵀ diag(h) x`` with the gain ``proposed`` each update, as
+    ``core/_step`` applies it: the gain capped by ``gain_limit`` (given the last applied gain), the τ-clock trace,
+    ``x ← x − r·lr·m``. Returns the iterates and the applied (credited) gains."""
+    inner = _clock.trace(BETA, nesterov=nesterov, guard=guard)
+    state, x, last, last_step = inner.init(x0), x0, jnp.float32(1), jnp.float32(0)
+    xs, gains = [], []
+    for _ in range(updates):
+        r = jnp.float32(proposed)
+        if guard:
+            r = jnp.minimum(r, _clock.gain_limit(state, jnp.float32(lr), last))
+        d, state = inner.update(h * x, state, **_steps(r, lr, last_step=last_step))
+        x = x - r * lr * d
+        last_step = r * lr
+        xs.append(x)
+        gains.append(r)
+        last = r
+    return np.asarray(jnp.stack(xs)), np.asarray(jnp.stack(gains))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_on_a_quadratic_the_guarded_step_converges_where_the_unguarded_one_diverges(nesterov):
+    """Known Hessian ``diag(1, 0.1, 0.01)``, gain 16 at lr 0.05: the τ clock's update is past its stability limit along
+    λ = 1 (r·lr·λ·(1 − β^r)/(1 − β) = 6.5 > 2(1 + β^r) = 2.4) and diverges; the guard measures λ along its steps and
+    caps the gain where the step lands on the minimum of that curvature: it converges."""
+    h, x0 = jnp.asarray([1.0, 0.1, 0.01]), jnp.ones(3)
+    unguarded, _ = _guarded_run(h, x0, 0.05, 16.0, 200, guard=False, nesterov=nesterov)
+    guarded, gains = _guarded_run(h, x0, 0.05, 16.0, 200, nesterov=nesterov)
+    assert not np.all(np.abs(unguarded[-1]) < 1.0)  # grown (large, inf or nan)
+    assert np.all(np.abs(guarded[-1]) < 1e-2), guarded[-1]
+    assert 1.0 <= gains[2:].min() and gains[2:].max() < 16.0  # once measured: above 1, below the unstable gain
+
+
+def _cap(lam, lr, beta=BETA):
+    """The gain ``r`` solving ``lr·λ·r(1 − β^r)/((1 − β)(1 + β^r)) = 1`` (half the τ clock's stability limit,
+    ``docs/noise_scale.md``), by bisection in float64: the closed form the guard's float32 cap must match."""
+    f = lambda r: lr * lam * r * (1 - beta**r) / ((1 - beta) * (1 + beta**r)) - 1.0  # noqa: E731
+    if f(1.0) >= 0:
+        return 1.0
+    lo, hi = 1.0, 2.0**24
+    for _ in range(200):
+        mid = np.sqrt(lo * hi)
+        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("lr, proposed", [(0.05, 16.0), (0.02, 40.0), (0.2, 3.0)])
+def test_the_credited_tau_is_the_closed_forms_sum_of_capped_gains(lr, proposed):
+    """1-D, noise-free: the secant along each step is the curvature λ exactly, so the applied gain is
+    ``min(R, 1.1·r_{t−1}, r_cap(λ))`` (``r_{−1} = 1``; ``r_cap``: half the stability limit, from the first
+    measurement on), and ``τ`` is their sum, to float32 rounding."""
+    lam, updates = 1.0, 25
+    _, gains = _guarded_run(jnp.asarray([lam]), jnp.ones(1), lr, proposed, updates)
+    expected, last = [], 1.0
+    for t in range(updates):
+        r = min(proposed, _clock.GAIN_GROWTH * max(last, 1.0))  # from 1, at most 10 % an update
+        if t >= 2:  # the secant needs a step behind it: measured in update 2, read from update 3 on
+            r = min(r, _cap(lam, lr))
+        expected.append(r)
+        last = r
+    np.testing.assert_allclose(gains, expected, rtol=2e-5)
+    np.testing.assert_allclose(gains.sum(), np.sum(expected), rtol=2e-5)
+
+
+def test_where_the_step_is_far_from_the_cap_and_the_gain_grows_slowly_the_guard_is_inert_bit_for_bit():
+    """lr·λ small (the cap at r ≈ 10⁴) and gains growing by 5 % an update: the guarded run is the unguarded one,
+    every iterate bit for bit (``min(r, limit)`` is ``r`` itself)."""
+    h, x0, lr = jnp.asarray([1.0, 0.1]), jnp.ones(2), 1e-4
+    inner, plain = _clock.trace(BETA), _clock.trace(BETA, guard=False)
+    s1, s2, x1, x2, last = inner.init(x0), plain.init(x0), x0, x0, jnp.float32(0)
+    for t in range(30):
+        r = jnp.float32(1.05**t)
+        limit = _clock.gain_limit(s1, jnp.float32(lr), jnp.maximum(last, 1.0))
+        assert float(limit) >= float(r)
+        g1 = jnp.minimum(r, limit)
+        d1, s1 = inner.update(h * x1, s1, **_steps(g1, lr, last_step=jnp.float32(lr) * last))
+        d2, s2 = plain.update(h * x2, s2, **_steps(r, lr))
+        x1, x2, last = x1 - g1 * lr * d1, x2 - r * lr * d2, g1
+        assert bits_equal(x1, x2)
+
+
+@pytest.mark.parametrize("gain", [2.0, 5.0])
+def test_nesterov_at_gain_r_keeps_the_fixed_point_and_tracks_r_small_steps(gain):
+    """Nesterov on the τ clock: a constant gradient stays at ``g/(1 − β)`` at every gain, and on a quadratic in the
+    small-step regime the update at gain ``r`` follows ``optax.trace(nesterov=True)`` ``r`` base steps at a time."""
+    g = _grads(3)
+    tx = _clock.trace(BETA, nesterov=True)
+    out, _ = tx.update(g, tx.init(g)._replace(trace=g / (1 - BETA)), **_steps(gain))
+    np.testing.assert_allclose(out, g / (1 - BETA), rtol=1e-5)
+    h = jnp.asarray(np.logspace(-1.0, -2.5, 16), jnp.float32)
+    x0, lr, k = jnp.ones(16), 0.002, 40
+    loss = lambda x: 0.5 * jnp.sum(h * x * x)  # noqa: E731
+    base = _quadratic_run(optax.trace(BETA, nesterov=True), h, x0, lr, 1, int(k * gain))[int(gain) - 1 :: int(gain)]
+    measured = jax.vmap(loss)(_quadratic_run(tx, h, x0, lr, gain, k))
+    predicted = jax.vmap(loss)(base)
+    assert float(jnp.max(jnp.abs(measured - predicted)) / (loss(x0) - predicted[-1])) < 0.05
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_trace_keeps_optax_accumulator_dtype(dtype):
+    params = jnp.zeros(3, jnp.float32)
+    ours, theirs = _clock.trace(BETA, accumulator_dtype=dtype), optax.trace(BETA, accumulator_dtype=dtype)
+    s1, s2 = ours.init(params), theirs.init(params)
+    assert s1.trace.dtype == s2.trace.dtype == dtype
+    u1, s1 = ours.update(_grads(0), s1, **_steps(1.0))
+    u2, s2 = theirs.update(_grads(0), s2)
+    assert s1.trace.dtype == dtype and bits_equal(u1, u2) and bits_equal(s1.trace, s2.trace)

@@ -10,6 +10,7 @@ corrupt the state.
 * Mixed precision: statistics square in float32, so large low-precision gradients neither overflow nor propagate.
 """
 
+import re
 import warnings
 
 import jax
@@ -21,6 +22,7 @@ from helpers import bits_equal, replica_grads, replica_update
 from jax.sharding import PartitionSpec as P
 
 import optax_adascale
+from optax_adascale.core import _clock
 
 N = 4
 PARAMS = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]]), "b": jnp.array([0.5, -0.5])}
@@ -260,6 +262,51 @@ def test_done_raises_when_every_update_is_skipped_instead_of_looping_forever():
             calls += 1
     assert calls == 5
     assert int(optax_adascale.metrics(state)["skipped_steps"]) == 5
+
+
+def poisson_run(lr, scale=8, budget=100):
+    """AdaScale-SGD (momentum 0.9) at S = ``scale`` on a Poisson regression, ``lr`` constant, fresh rows each
+    update, until ``done``; returns ``(updates called, state)``. The loss's ``exp`` overflows once a step
+    overshoots, after which every gradient is non-finite and every update is skipped."""
+    rng = np.random.default_rng(0)
+    loss = lambda w, x, y: jnp.mean(jnp.exp(x @ w) - y * (x @ w))  # noqa: E731
+    grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))
+    tx = optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name="data")
+    step = replica_update(tx, axis_name="data", axis_size=scale)
+    w, state, calls = jnp.zeros(4), tx.init(jnp.zeros(4)), 0
+    while not optax_adascale.done(state, budget):
+        x = rng.normal(size=(scale, 16, 4)).astype(np.float32)
+        y = rng.poisson(np.exp(x @ np.array([0.5, -0.5, 0.3, 0.0], np.float32))).astype(np.float32)
+        updates, state = step(grads(w, x, y), state, w)
+        w, calls = optax.apply_updates(w, updates), calls + 1
+    return calls, state
+
+
+def test_done_says_the_schedule_is_written_for_the_base_batch_within_the_first_updates():
+    # The base batch's lr trains to T; the same lr written for the batch of S = 8 (8x) overflows after a few
+    # applied updates, and every later update is skipped. On main done() raised after 100 skips with "lower the
+    # learning rate"; now it raises once the skips outnumber the applied updates, naming the base batch and S.
+    calls, state = poisson_run(0.05)
+    assert float(optax_adascale.scale_invariant_steps(state)) >= 100
+    assert int(optax_adascale.metrics(state)["skipped_steps"]) == 0
+    with pytest.raises(RuntimeError, match=r"stuck.*written for the base batch.*divide it by S.*ran at S = 8") as err:
+        poisson_run(0.05 * 8)
+    message = str(err.value)
+    applied, skipped = (int(re.search(p, message).group(1)) for p in (r"after only (\d+)", r"skipped_steps=(\d+)"))
+    assert 1 <= applied < 20 and skipped == max(applied, optax_adascale._state.EARLY_SKIP_STREAK)  # not 100
+
+
+def test_done_tolerates_a_short_skip_streak_at_the_start():
+    # Fewer than EARLY_SKIP_STREAK skips at the very start (a dynamic loss scale settling) do not raise.
+    tx = optax_adascale.adascale_sgd(0.1, axis_name="data")
+    step, state = replica_update(tx, axis_name="data", axis_size=4), tx.init(PARAMS)
+    for i in range(12):
+        grads = replica_grads(PARAMS, 4, i)
+        if i < optax_adascale._state.EARLY_SKIP_STREAK - 1:
+            grads["w"] = grads["w"].at[0, 0, 0].set(jnp.inf)
+        assert not optax_adascale.done(state, 1000)
+        _, state = step(grads, state, PARAMS)
+    assert int(optax_adascale.metrics(state)["skipped_steps"]) == optax_adascale._state.EARLY_SKIP_STREAK - 1
 
 
 def test_done_is_true_once_tau_reaches_the_budget_and_a_skip_does_not_reset_the_clock():
@@ -512,8 +559,10 @@ def test_non_finite_gradient_in_one_replica_skips_the_step_on_every_replica(bad)
 
 
 def _adam(state):
-    """The ``ScaleByAdamState`` (count, μ, ν) inside an AdaScale state's inner state."""
-    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    """The ``ScaleByAdamState`` (count, μ, ν) inside an AdaScale state's inner state: optax's, or the τ clock's
+    (``core._clock.ScaleByAdamState``, which also counts the base steps its averages have seen)."""
+    kinds = (optax.ScaleByAdamState, _clock.ScaleByAdamState)
+    is_adam = lambda x: isinstance(x, kinds)  # noqa: E731
     return next(x for x in jax.tree.leaves(state.inner_state, is_leaf=is_adam) if is_adam(x))
 
 
@@ -558,6 +607,8 @@ def test_adamw_keeps_adams_state_on_a_skip_and_updates_it_on_a_taken_step(transf
     # The alias's Adam runs on the τ clock: an update of gain r averages with β^r (core/_clock.py); optax's per update.
     r = float(optax_adascale.metrics(taken)["gain"]) if inner == "adascale_adamw" else 1.0
     c1, c2 = b1**r, b2**r
+    if inner == "adascale_adamw":  # τ advances by the applied gain, and so does the count Adam debiases with
+        np.testing.assert_allclose(after.base_steps, before.base_steps + r, rtol=1e-6)
     for name in PARAMS:
         np.testing.assert_allclose(after.mu[name], c1 * before.mu[name] + (1 - c1) * mean[name], rtol=3e-5)
         np.testing.assert_allclose(after.nu[name], c2 * before.nu[name] + (1 - c2) * mean[name] ** 2, rtol=3e-5)

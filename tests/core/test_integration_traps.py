@@ -254,21 +254,88 @@ def test_multisteps_around_adascale_is_refused_by_our_message_at_every_front_doo
 # --------------------------------------------------------------------------- clipping before update
 
 
-def test_clipping_before_update_inflates_the_variance():
-    # MaxText clips ḡ in train_step, before the optimizer; the samples' statistics stay unclipped.
-    samples = jax.random.normal(jax.random.key(4), (N, 16)) + 2.0
+def _stats(samples, measured=True):
+    """Hand-built statistics of ``samples`` (stacked on axis 0): their mean squared norm, and, with ``measured``,
+    the squared norm of their mean (the gradients they come with)."""
     grads = samples.mean(0)
-    stats = optax_adascale.MicrobatchStats(jnp.mean(jnp.sum(samples**2, axis=1)), N)
-    clip = optax.clip_by_global_norm(1.0)
-    params = jnp.zeros(16)
+    return grads, optax_adascale.MicrobatchStats(
+        jnp.mean(jnp.sum(samples**2, axis=-1)), samples.shape[0], grad_sq_norms=jnp.sum(grads**2) if measured else None
+    )
 
-    inside = optax_adascale.adascale(optax.chain(clip, optax.identity()), 0.1)
-    _, s_inside = inside.update(grads, inside.init(params), params, microbatch_stats=stats)
-    before = optax_adascale.adascale(optax.identity(), 0.1)
-    clipped, _ = clip.update(grads, clip.init(params))
-    _, s_before = before.update(clipped, before.init(params), params, microbatch_stats=stats)
 
+def test_clipping_before_update_with_hand_built_statistics_is_skipped_and_done_names_the_fix():
+    # MaxText clips ḡ in train_step, before the optimizer, while the samples' statistics stay unclipped: a would be
+    # the unclipped samples', b the clipped mean's, and the variance inflated (it was, silently: issue 44). With the
+    # norms of the gradients they measured, the statistics tell the change.
+    samples = jax.random.normal(jax.random.key(4), (N, 16)) + 2.0
+    grads, stats = _stats(samples)
+    params, clip = jnp.zeros(16), optax.clip_by_global_norm(1.0)
+    clipped, _ = clip.update(grads, clip.init(params))  # what optax.chain(clip, tx) hands AdaScale
+    tx = optax_adascale.adascale(optax.identity(), 0.1)
+    update = jax.jit(tx.update)
+    m_clean = optax_adascale.metrics(update(grads, tx.init(params), params, microbatch_stats=stats)[1])
+    updates, s_clipped = update(clipped, tx.init(params), params, microbatch_stats=stats)
+    m_clipped = optax_adascale.metrics(s_clipped)
     a, b = float(stats.sq_norms), float(jnp.sum(grads**2))
-    np.testing.assert_allclose(optax_adascale.metrics(s_inside)["grad_var"], N / (N - 1) * (a - b), rtol=1e-5)
-    assert float(optax_adascale.metrics(s_before)["grad_var"]) > 2 * float(optax_adascale.metrics(s_inside)["grad_var"])
-    assert float(optax_adascale.metrics(s_before)["gain"]) > float(optax_adascale.metrics(s_inside)["gain"])
+    np.testing.assert_allclose(m_clean["grad_var"], N / (N - 1) * (a - b), rtol=1e-5)  # unclipped: taken, right
+    assert int(m_clean["skipped_steps"]) == 0
+    assert int(m_clipped["skipped_altered_grads_steps"]) == int(m_clipped["skipped_steps"]) == 1
+    assert float(m_clipped["grad_var"]) == 0.0 and not bool(jnp.any(updates))  # nothing learned from the wrong b
+    with pytest.raises(RuntimeError, match=r"clip_by_global_norm\(c\), inner"):
+        optax_adascale.done(s_clipped, 100)
+    # Statistics without the measured norms: nothing to compare them with, the update is taken (documented).
+    _, unmeasured = _stats(samples, measured=False)
+    s = update(clipped, tx.init(params), params, microbatch_stats=unmeasured)[1]
+    assert int(optax_adascale.metrics(s)["skipped_steps"]) == 0
+
+
+def _replica_microbatches(seed):
+    """Per replica, a batch of 4 rows of a linear regression (2 micro-batches of 2)."""
+    x = jax.random.normal(jax.random.key(seed), (N, 4, 3))
+    return x, x @ jnp.array([1.0, -2.0, 0.5]) + 3.0
+
+
+def _loss(w, x, y):
+    return jnp.mean((x @ w - y) ** 2)
+
+
+@pytest.mark.parametrize(
+    "front_door, accumulation", [("shard_map", "none"), ("pmap", "none"), ("vmap", "k=2"), ("vmap", "BatchRamp")]
+)
+def test_clipping_before_update_on_per_replica_statistics_is_caught_at_every_front_door(front_door, accumulation):
+    """value_and_grad(num_microbatches=2) per replica, a clip chained before AdaScale, with or without accumulation:
+    each replica compares the gradients it is given with those it measured, and the skip rides the one reduction
+    (−∞ squared norms), so every replica skips the update and counts it, with no extra collective."""
+    k = {"none": 1, "k=2": 2, "BatchRamp": optax_adascale.BatchRamp(2, 2)}[accumulation]
+    vg = optax_adascale.value_and_grad(_loss, num_microbatches=2)
+    w = jnp.zeros(3)
+
+    def run(clipped):
+        ada = optax_adascale.adascale_sgd(0.05, axis_name="i", accumulation_steps=k)
+        tx = optax.chain(optax.clip_by_global_norm(1e-3), ada) if clipped else ada
+
+        def step(state, x, y):
+            _, g, stats = vg(lax.pcast(w, "i", to="varying") if front_door == "shard_map" else w, x, y)
+            return tx.update(g, state, w, microbatch_stats=stats)[1]
+
+        state = tx.init(w)
+        if k != 1:
+            state = optax_adascale.replicate_buffers(state, N)
+        if front_door == "shard_map":
+            mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+            specs = optax_adascale.state_partition_specs(state, "i")
+            local = lambda s, x, y: step(s, x[0], y[0])  # noqa: E731
+            f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P("i"), P("i")), out_specs=specs))
+        else:
+            axes = optax_adascale.state_axes(state)
+            mapped = jax.pmap if front_door == "pmap" else lambda fn, **kw: jax.jit(jax.vmap(fn, **kw))
+            f = mapped(step, in_axes=(axes, 0, 0), out_axes=axes, axis_name="i")
+        for seed in range(4):
+            state = f(state, *_replica_microbatches(seed))
+        return optax_adascale.metrics(state)
+
+    clean, clipped = run(False), run(True)
+    updates = 4 // (1 if k == 1 else 2)
+    assert int(clean["skipped_steps"]) == 0 and float(clean["grad_var"]) > 0
+    assert int(clipped["skipped_altered_grads_steps"]) == int(clipped["skipped_steps"]) == updates
+    assert float(clipped["grad_var"]) == 0.0 and float(clipped["scale_invariant_steps"]) == 0.0

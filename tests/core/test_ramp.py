@@ -8,6 +8,8 @@
 * The estimator with a traced ``n`` is the formula; AdamW ramps too; the readers; the refusals.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,21 +52,35 @@ def decide(ramp, k, noise_scale, *, streak=0, applied=True, per_microbatch=2):
     return int(new.microbatches), int(new.streak)
 
 
+def _walk(ramp, k, noise_scale, per_microbatch=2):
+    """The rungs the measured controller visits from ``k`` under a steady noise scale, one decision each."""
+    path = [k]
+    for _ in range(8):
+        k = decide(ramp, k, noise_scale, per_microbatch=per_microbatch)[0]
+        if k == path[-1]:
+            return path
+        path.append(k)
+    return path
+
+
 # B → S* = (B + 1)/0.9 − B = B/9 + 10/9 → k* = S*/2 (two samples per micro-batch step) → the largest rung ≤ k*.
 @pytest.mark.parametrize(
     ("noise_scale", "expected"),
     [(0.0, 1), (10.0, 1), (30.0, 2), (60.0, 2), (70.0, 4), (130.0, 4), (140.0, 8), (280.0, 16), (np.inf, 16)],
 )
 def test_the_measured_target_from_one_rung_is_the_largest_rung_within_the_efficiency(noise_scale, expected):
-    # k* by hand: B = 10 → 1.11, 30 → 2.22, 60 → 3.89, 70 → 4.44, 130 → 7.78, 140 → 8.33, 280 → 16.1.
+    # k* by hand: B = 10 → 1.11, 30 → 2.22, 60 → 3.89, 70 → 4.44, 130 → 7.78, 140 → 8.33, 280 → 16.1. The controller
+    # walks there one rung a decision (a noisy estimate never jumps the ladder): 1 → 2 → 4 → … → the target.
     ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.9, patience=1)
-    assert decide(ramp, 1, noise_scale)[0] == expected
+    path = _walk(ramp, 1, noise_scale)
+    assert path[-1] == expected
+    assert path == [r for r in ramp.ladder if r <= expected]  # every rung on the way, none skipped
 
 
 def test_the_critical_batch_efficiency_one_half_targets_b_plus_two():
     ramp = optax_adascale.BatchRamp(1, 16, efficiency=0.5, patience=1)
-    assert decide(ramp, 1, 6.0, per_microbatch=1)[0] == 8  # S* = 6 + 2 = 8
-    assert decide(ramp, 1, 5.9, per_microbatch=1)[0] == 4  # S* = 7.9
+    assert _walk(ramp, 1, 6.0, per_microbatch=1)[-1] == 8  # S* = 6 + 2 = 8
+    assert _walk(ramp, 1, 5.9, per_microbatch=1)[-1] == 4  # S* = 7.9
 
 
 @pytest.mark.parametrize(
@@ -225,21 +241,54 @@ def train(tx, calls, **grads_kw):
     return params, state, ks
 
 
-@pytest.mark.parametrize("k", [2, 3, 4])
-def test_a_ramp_pinned_at_k_is_accumulation_steps_k(k):
-    """Bit for bit on the default ladder's powers of two; at k = 3 the division by a traced 3 may round apart from
-    XLA's division by the constant (1 ulp)."""
-    static = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=k)
-    pinned = optax_adascale.adascale_sgd(
-        0.1, momentum=0.9, axis_name="i", accumulation_steps=optax_adascale.BatchRamp(k, k)
-    )
-    p1, s1, _ = train(static, 4 * k)
-    p2, s2, _ = train(pinned, 4 * k)
-    if k & (k - 1) == 0:
-        assert bits_equal(p1, p2)
-        assert bits_equal(s1._replace(ramp=None), s2._replace(ramp=None))
+PINNED_SCHEDULE = optax.cosine_decay_schedule(0.1, 200)  # τ passes 10 in 40 calls: the schedule moves
+
+
+@pytest.mark.parametrize(
+    "factory, clock, k",
+    [("sgd", "update", 2), ("sgd", "update", 3), ("sgd", "update", 4), ("sgd", "tau", 4), ("adamw", "tau", 4)],
+    ids=["sgd-update-k2", "sgd-update-k3", "sgd-update-k4", "sgd-tau-k4", "adamw-tau-k4"],
+)
+def test_a_ramp_pinned_at_k_is_accumulation_steps_k(factory, clock, k):
+    """Over 40 calls under vmap with a cosine schedule, on each clock: bit for bit on the default ladder's powers of
+    two; at k = 3 the division by a traced 3 may round apart from XLA's division by the constant (1 ulp)."""
+    if factory == "sgd":
+        make = functools.partial(optax_adascale.adascale_sgd, PINNED_SCHEDULE, momentum=0.9, axis_name="i", clock=clock)
     else:
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), p1, p2)
+        make = functools.partial(
+            optax_adascale.adascale_adamw, PINNED_SCHEDULE, weight_decay=1e-2, axis_name="i", clock=clock
+        )
+    (p1, s1), (p2, s2) = (
+        _every_call(make(accumulation_steps=steps), 40) for steps in (k, optax_adascale.BatchRamp(k, k))
+    )
+    assert int(s1[-1].count) == 40 // k and int(s1[-1].tau_whole) > 10  # the schedule moved
+    # JAX 0.10's XLA:CPU (at the tests' -O0) rounds AdamW's parameter update −r·lr·(r^(−½)·d + wd·p) 1 ulp apart in the
+    # two programs from the third update on (not with wd = 0, on the update clock, or on JAX 0.12), and the params feed
+    # the next gradients: there both runs are held to float32 rounding (rtol 1e-6), as at k = 3.
+    rounding = factory == "adamw" and tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
+    for call in range(40):  # after every call, not only the last (a field rewritten each update hides a drift)
+        if k & (k - 1) == 0 and not rounding:
+            assert bits_equal(p1[call], p2[call]), call
+            assert bits_equal(s1[call], s2[call]), call
+        else:
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), p1[call], p2[call])
+
+
+def _every_call(tx, calls, replicas=8):
+    """The params and AdaScale's state (its ramp's left out) after each of ``calls`` calls, on 8 vmap replicas
+    (``S = 8k``: where issue 44 saw the drift) with the gradients of :func:`noisy_grads`."""
+    state = optax_adascale.replicate_buffers(tx.init(PARAMS), replicas)
+    axes = optax_adascale.state_axes(state)
+    step = jax.jit(jax.vmap(tx.update, in_axes=(0, axes, None), out_axes=(None, axes), axis_name="i"))
+    params, ps, ss = PARAMS, [], []
+    for call in range(calls):
+        key = jax.random.fold_in(jax.random.key(7), call)
+        grads = {"w": 1.0 + jax.random.normal(key, (replicas, 3)), "b": jax.random.normal(key, (replicas,))}
+        updates, state = step(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        ps.append(params)
+        ss.append(optax_adascale.get_adascale_state(state)._replace(ramp=None))
+    return ps, ss
 
 
 def test_a_ramp_pinned_at_one_is_the_unaccumulated_update_to_rounding():
@@ -376,6 +425,13 @@ def _gain(var, sqr, scale):
     return min(max((float(var) + sqr) / den, 1.0), scale) if den > 0 else 1.0
 
 
+def _guard(before):
+    """The default τ clock's growth cap on the next update's gain: ``1.1·max(r_{t−1}, 1)`` (1.1 on the first update),
+    the same for every group's gain. Its curvature cap is left out: it only lowers the gain, so where a gain matches
+    ``min(estimate, this)`` the curvature cap did not bind (these 18 calls at lr 0.1 on gradients ``1 + ξ``)."""
+    return 1.1 * max(float(before.gain), 1.0)
+
+
 def _applied(tx, calls):
     """Train ``calls`` calls; the states before and after each applied update, and the final params."""
     state, step = vmapped(tx)
@@ -390,6 +446,15 @@ def _applied(tx, calls):
     return params, pairs
 
 
+@functools.cache
+def _plain_ramp_run():
+    """The plain ramp's 18 calls that every variant below is compared with: run once per worker (the variants share
+    one ``xdist_group``), not once per variant."""
+    ramp = optax_adascale.BatchRamp(1, 2, **MOVING)
+    return _applied(optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp), 18)
+
+
+@pytest.mark.xdist_group("ramp_composes")
 @pytest.mark.parametrize(
     "variant",
     [
@@ -404,28 +469,29 @@ def test_a_ramp_composes_with_the_other_options(variant):
     """The same ramp (k = 2, 2, 1, 1, ...) with ZeRO rows, labels, delayed gain or inject_hyperparams: the same rungs,
     and each option's own arithmetic at each update's ``S``: ZeRO and inject_hyperparams train as the plain ramp does;
     labels give each group the gain of its own averages at ``S_t`` (and one label for every leaf is the plain ramp);
-    the delayed gain is the gain of the averages *before* the update at ``S_t``."""
+    the delayed gain is the gain of the averages *before* the update at ``S_t``; every gain capped by the default τ
+    clock's guard (:func:`_guard`)."""
     ramp = optax_adascale.BatchRamp(1, 2, **MOVING)
-    plain = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
     variant = dict(variant)
     if variant.pop("inject", False):
         factory = optax.inject_hyperparams(optax_adascale.adascale_sgd, static_args=("learning_rate",))
         tx = factory(learning_rate=0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp)
     else:
         tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp, **variant)
-    p_ref, pairs_ref = _applied(plain, 18)
+    p_ref, pairs_ref = _plain_ramp_run()
     params, pairs = _applied(tx, 18)
     scales = [float(after.scale) for _, after in pairs]
     assert scales == [float(after.scale) for _, after in pairs_ref]  # the same rungs, update by update
     assert set(scales) == {R * 1.0, R * 2.0}  # both rungs' S were applied
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
     if "param_labels" in variant:
-        for _, after in pairs:
+        for before, after in pairs:
+            cap = _guard(before)
             for label in ("a", "c"):
                 S = float(after.scale)
-                close(after.group_gains[label], _gain(after.grad_var[label], after.grad_sqr[label], S))
+                close(after.group_gains[label], min(_gain(after.grad_var[label], after.grad_sqr[label], S), cap))
             total = (sum(after.grad_var.values()), sum(after.grad_sqr.values()))
-            close(after.gain, _gain(*total, float(after.scale)))  # τ advances by the summed statistics' gain
+            close(after.gain, min(_gain(*total, float(after.scale)), cap))  # τ: the summed statistics' gain, capped
         one_label = dict(variant, param_labels={"w": "a", "b": "a"})
         same, _ = _applied(
             optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="i", accumulation_steps=ramp, **one_label), 18
@@ -433,7 +499,7 @@ def test_a_ramp_composes_with_the_other_options(variant):
         jax.tree.map(close, same, p_ref)
     elif "delayed_gain" in variant:
         for before, after in pairs:
-            close(after.gain, _gain(before.grad_var, before.grad_sqr, float(after.scale)))
+            close(after.gain, min(_gain(before.grad_var, before.grad_sqr, float(after.scale)), _guard(before)))
         assert any(float(after.gain) > 1.01 for _, after in pairs)
     else:
         jax.tree.map(close, params, p_ref)

@@ -3,10 +3,14 @@ bit, and its loader, positioned from the optimizer state, feeds every example on
 across the changes of ``S`` or across the restore.
 """
 
+import warnings
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 from helpers import DIM, bits_equal, init_mlp, mlp_loss
 
 import optax_adascale
@@ -118,7 +122,9 @@ def test_a_state_restored_into_a_smaller_ramp_moves_k_onto_its_ladder(tmp_path):
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "boundary", {"params": params, "opt_state": state})
         restored = ckpt.restore(tmp_path / "boundary", {"params": init_mlp(), "opt_state": fresh4})
-    for p, s in ((restored["params"], restored["opt_state"]), (params, optax_adascale.transfer_state(state, fresh4))):
+    with pytest.warns(UserWarning, match=r"k = 8 micro-batches.*ladder \(1, 2, 4\): k moves from 8 to 4 here"):
+        transferred = optax_adascale.transfer_state(state, fresh4)
+    for p, s in ((restored["params"], restored["opt_state"]), (params, transferred)):
         _, s, taken = calls_per_update(step4, p, s, 8)
         assert taken == [4, 4] and int(optax_adascale.batch_plan(s)["microbatches"]) == 4
 
@@ -129,3 +135,44 @@ def test_a_state_restored_into_a_smaller_ramp_moves_k_onto_its_ladder(tmp_path):
     assert taken == [5, 4, 4]
     first_update = calls_per_update(step4, params, state, 5)[:2]
     assert bits_equal(first_update, (straight_params, straight._replace(ramp=straight.ramp._replace(microbatches=4))))
+
+
+def _warnings(fn, *args):
+    """``fn(*args)`` and the package's warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args)
+    return out, [str(w.message) for w in caught if "BatchRamp state" in str(w.message)]
+
+
+def test_a_state_moved_onto_another_ladder_says_so_once_naming_both_ks_and_the_ladder():
+    """Issue 44: a k restored onto another ladder moved without a word. Where the host sees k (transfer_state into a
+    ramp's fresh state; an update outside jit) one warning names the old k, the new k and the ladder."""
+    params = jnp.zeros(3)
+    ramp_tx = lambda ramp: optax_adascale.adascale_sgd(0.1, accumulation_steps=ramp)  # noqa: E731
+    big, small, wide = (
+        ramp_tx(optax_adascale.BatchRamp(*ends, patience=1, policy=lambda _: 8.0)) for ends in ((2, 8), (2, 4), (2, 16))
+    )
+    state, big_update = big.init(params), jax.jit(big.update)
+    for t in range(10):  # an update at k = 2, then one at k = 8
+        state = big_update(jnp.full(3, 1.0 + t), state, params)[1]
+    assert int(state.ramp.microbatches) == 8 and int(state.micro_step) == 0
+
+    moved, said = _warnings(optax_adascale.transfer_state, state, small.init(params))
+    assert said == [
+        "the state given to transfer_state holds a BatchRamp state at k = 8 micro-batches, which is not a rung of "
+        "this ramp's ladder (2, 4): k moves from 8 to 4 here (the largest rung at or below it; the lowest if it is "
+        "below them all). To keep the batch at k = 8, build the optimizer with a ramp whose ladder holds 8."
+    ]
+    assert int(optax_adascale.batch_plan(moved)["microbatches"]) == 4  # the loader sees the new k at once
+    kept, said = _warnings(optax_adascale.transfer_state, state, wide.init(params))
+    assert said == [] and int(optax_adascale.batch_plan(kept)["microbatches"]) == 8  # 8 is a rung of (2, 4, 8, 16)
+
+    # A state restored straight into the smaller ramp's (not through transfer_state), updated outside jit: one
+    # warning for the whole window, which runs at the new k.
+    restored, calls = state, []
+    for _ in range(4):
+        (_, restored), said = _warnings(small.update, jnp.full(3, 1.0), restored, params)
+        calls.append(said)
+    assert [len(c) for c in calls] == [1, 0, 0, 0] and "k moves from 8 to 4 at this update" in calls[0][0]
+    assert int(restored.count) == int(state.count) + 1 and int(restored.ramp.microbatches) == 4

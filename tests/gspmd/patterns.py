@@ -67,14 +67,21 @@ class Pattern:
         out = jax.tree.map(lambda o: o.reshape(o.shape[0] * o.shape[1], *o.shape[2:]), outs)
         return self.head(out, jax.tree.map(lambda a: a.mean(0), stack), *batch)
 
-    def samples(self) -> dict[str, float]:
-        """``mean_i ‖n·∂L/∂θ_i‖²`` per leaf."""
+    def micro_batch(self, j: int, k: int) -> tuple[np.ndarray, ...]:
+        """Micro-batch ``j`` of ``k``: the ``j``-th contiguous block of every data shard's rows."""
+        n = self.shards
+        return tuple(b.reshape(n, k, -1, *b.shape[1:])[:, j].reshape(-1, *b.shape[1:]) for b in self.batch)
+
+    def samples(self, k: int = 1) -> dict[str, float]:
+        """``mean_{i,j} ‖n·∂L_j/∂θ_i‖²`` per leaf, ``L_j`` the loss of micro-batch ``j`` of ``k``."""
         n = self.shards
         stack = jax.tree.map(lambda a: np.stack([a] * n), self.params)
-        grads = jax.grad(self.copies_loss)(stack, *self.batch)
-        return {
-            k: float(np.mean(np.sum((n * np.asarray(g)) ** 2, axis=tuple(range(1, g.ndim))))) for k, g in grads.items()
-        }
+        out = dict.fromkeys(self.params, 0.0)
+        for j in range(k):
+            grads = jax.jit(jax.grad(self.copies_loss))(stack, *self.micro_batch(j, k))
+            for name, g in grads.items():
+                out[name] += float(np.mean(np.sum((n * np.asarray(g)) ** 2, axis=tuple(range(1, g.ndim))))) / k
+        return out
 
 
 B, D, H, C, R = 32, 8, 16, 4, 2
@@ -559,3 +566,138 @@ def spectral_norm() -> Pattern:
         return mm("bh,hc->bc", h, p["w2"], P("data", None))
 
     return Pattern(params, LAYOUTS_MLP, _classify(11), apply, lambda out, p, x, y: _xent(out, y))
+
+
+def fused_split() -> Pattern:
+    """Fused weights split where they are used (LLaMA-style code): attention's ``w_qkv`` split into q, k and v
+    (``jnp.split(w, 3, axis=-1)``), and a gated MLP's ``w_gate_up`` split into its gate and up halves."""
+    rng = _rng(13)
+    params = {
+        "w_qkv": (rng.normal(size=(D, 3 * H)) / 3).astype(np.float32),
+        "w_gate_up": (rng.normal(size=(D, 2 * H)) / 3).astype(np.float32),
+        "w_out": (rng.normal(size=(H, C)) / 4).astype(np.float32),
+    }
+    layouts = {
+        "replicated": {"w_qkv": P(), "w_gate_up": P(), "w_out": P()},
+        "TP": {"w_qkv": P(None, "model"), "w_gate_up": P(None, "model"), "w_out": P()},
+        "FSDP": {"w_qkv": P("data", None), "w_gate_up": P("data", None), "w_out": P("data", None)},
+    }
+
+    def apply(p, x, y):
+        q, k, v = (put(w, P()) for w in jnp.split(p["w_qkv"], 3, axis=-1))
+        gate, up = (put(w, P()) for w in jnp.split(p["w_gate_up"], 2, axis=-1))
+        rows = lambda w: mm("bd,dh->bh", x, w, P("data", None))  # noqa: E731
+        attn = jax.nn.sigmoid(jnp.sum(rows(q) * rows(k), axis=-1, keepdims=True)) * rows(v)
+        h = attn + jax.nn.silu(rows(gate)) * rows(up)
+        return mm("bh,hc->bc", h, p["w_out"], P("data", None))
+
+    return Pattern(params, layouts, _classify(13), apply, lambda out, p, x, y: _xent(out, y))
+
+
+def stacked_slices() -> Pattern:
+    """Per-expert weights, separate parameters, stacked (``jnp.stack``) for one ``einsum`` over every expert, and the
+    slices of one weight stacked the same way (``jnp.stack([w[:, :H], w[:, H:]])``)."""
+    rng = _rng(14)
+    params = {f"e{i}": (rng.normal(size=(D, H)) / 3).astype(np.float32) for i in range(E)}
+    params["w"] = (rng.normal(size=(H, 2 * C)) / 4).astype(np.float32)
+    layouts = {
+        "replicated": {name: P() for name in params},
+        "TP": {**{f"e{i}": P(None, "model") for i in range(E)}, "w": P()},
+        "FSDP": {**{f"e{i}": P("data", None) for i in range(E)}, "w": P("data", None)},
+    }
+
+    def apply(p, x, y):
+        experts = put(jnp.stack([p[f"e{i}"] for i in range(E)]), P())  # (E, D, H)
+        h = jnp.mean(jnp.tanh(mm("bd,edh->beh", x, experts, P("data", None, None))), axis=1)
+        w = put(p["w"], P())
+        halves = jnp.stack([w[:, :C], w[:, C:]])  # (2, H, C)
+        return jnp.sum(mm("bh,shc->bsc", h, halves, P("data", None, None)), axis=1)
+
+    return Pattern(params, layouts, _classify(14), apply, lambda out, p, x, y: _xent(out, y))
+
+
+def cholesky_layer() -> Pattern:
+    """A Gaussian likelihood with a learned covariance ``Σ = A Aᵀ + D·I`` (Gaussian-process and normalising-flow
+    layers): ``L = cholesky(Σ)``, each row whitened by a triangular solve (the rows in its right-hand side's columns),
+    the negative log-likelihood ``½‖L⁻¹(x − μ)‖² + Σ log Lᵢᵢ`` averaged over the rows."""
+    rng = _rng(15)
+    params = {
+        "a": (rng.normal(size=(D, D)) / 3).astype(np.float32),
+        "mu": (rng.normal(size=(D,)) / 3).astype(np.float32),
+    }
+    layouts = {
+        "replicated": {"a": P(), "mu": P()},
+        "TP": {"a": P(None, "model"), "mu": P()},
+        "FSDP": {"a": P("data", None), "mu": P()},
+    }
+    x = _rng(15).normal(size=(B, D)).astype(np.float32)
+
+    def factor(p):
+        a = put(p["a"], P())
+        return jnp.linalg.cholesky(mm("ij,kj->ik", a, a, P()) + D * jnp.eye(D))
+
+    def apply(p, x):
+        centred = put((x - p["mu"]).T, P(None, "data"))  # (D, rows): each row a column of the right-hand side
+        z = jax.scipy.linalg.solve_triangular(factor(p), centred, lower=True)
+        return 0.5 * jnp.sum(z * z, axis=0)
+
+    def head(quad, p, x):
+        return jnp.mean(quad) + jnp.sum(jnp.log(jnp.diagonal(factor(p))))
+
+    return Pattern(params, layouts, (x,), apply, head)
+
+
+def _ragged_experts(x, experts, router, explicit: bool):
+    """A sparse mixture of experts as MaxText writes it, top-1: each token routed to one expert, the tokens sorted by
+    expert within their dispatch group (a data shard's rows), one grouped matmul (``lax.ragged_dot``) over the groups'
+    experts, the outputs unsorted and scaled by the router's probability. ``explicit``: written for an Explicit mesh,
+    ``out_sharding=`` where JAX asks (``lax.ragged_dot`` included)."""
+    groups = 4 if on_mesh() else 1
+    rows, per = x.shape[0], x.shape[0] // groups
+    at = lambda spec: {"out_sharding": spec} if explicit else {}  # noqa: E731
+    probs = jax.nn.softmax(jnp.einsum("bd,de->be", x, router, **at(P("data", None))))
+    ids = jnp.argmax(probs, axis=-1)
+    gate = jnp.max(probs, axis=-1)
+    grouped = lambda a: a.reshape(groups, per, *a.shape[1:], **at(P("data")))  # noqa: E731
+    flat = lambda a: a.reshape(rows, *a.shape[2:], **at(P("data")))  # noqa: E731
+    order = jnp.argsort(grouped(ids), axis=1, stable=True)  # within each group: rows stay on their shard
+    xs = flat(jnp.take_along_axis(grouped(x), order[..., None], axis=1))
+    counts = jnp.sum(jax.nn.one_hot(grouped(ids), E, dtype=jnp.int32), axis=1).reshape(groups * E)
+    table = jnp.tile(experts, (groups, 1, 1))  # group g's expert e is matrix g·E + e
+    h = jax.lax.ragged_dot(xs, table, counts, **at(P("data", None)))
+    back = jnp.argsort(order, axis=1)
+    out = flat(jnp.take_along_axis(grouped(jnp.tanh(h)), back[..., None], axis=1))
+    return out * gate[:, None]
+
+
+def ragged_moe(explicit: bool = True) -> Pattern:
+    """A top-1 sparse MoE through ``lax.ragged_dot`` (:func:`_ragged_experts`), its experts separate parameters
+    stacked for it (``jnp.stack``; FSDP experts gathered first). ``explicit``: written for an Explicit mesh
+    (``out_sharding=``), else for an Auto one (no annotation). On an Explicit mesh JAX 0.10-0.12 cannot differentiate
+    ``ragged_dot`` itself (its transpose infers no sharding): the drop-in can, on each device's rows."""
+    rng = _rng(16)
+    params = {f"e{i}": (rng.normal(size=(D, H)) / 3).astype(np.float32) for i in range(E)}
+    params["router"] = (rng.normal(size=(D, E)) / 3).astype(np.float32)
+    params["head"] = (rng.normal(size=(H, C)) / 4).astype(np.float32)
+    layouts = {
+        "replicated": {name: P() for name in params},
+        "TP": {**{name: P() for name in params}, **{f"e{i}": P(None, "model") for i in range(E)}},
+        "FSDP": {**{name: P() for name in params}, **{f"e{i}": P("data", None) for i in range(E)}},
+    }
+
+    def apply(p, x, y):
+        gathered = (lambda w: put(w, P(None, col_of(w)))) if explicit else (lambda w: w)  # FSDP: the Explicit way
+        experts = jnp.stack([gathered(p[f"e{i}"]) for i in range(E)])
+        h = _ragged_experts(x, experts, p["router"], explicit and on_mesh())
+        return mm("bh,hc->bc", h, p["head"], P("data", None) if explicit else None)
+
+    def head(out, p, x, y):
+        return _xent(out, y)
+
+    def copies(stack, x, y):  # each shard's rows through its own copy (JAX cannot vmap ragged_dot's group sizes)
+        n = jax.tree.leaves(stack)[0].shape[0]
+        rows = x.shape[0] // n
+        outs = [apply({k: v[i] for k, v in stack.items()}, x[i * rows : (i + 1) * rows], None) for i in range(n)]
+        return head(jnp.concatenate(outs), None, x, y)
+
+    return Pattern(params, layouts, _classify(16), apply, head, copies=copies)

@@ -76,63 +76,74 @@ def test_psum_inside_shard_map_binds_a_primitive_the_table_knows():
     assert names <= set(_table.TABLE), names - set(_table.TABLE)
 
 
-def _zoo():
-    """(name, mesh shape and axes, loss, params, batch, specs): the losses of tests/gspmd and benchmarks/gspmd."""
-    from benchmarks.gspmd import models
-    from tests.gspmd import test_runs, test_semantics, test_traps
+# The zoo's families, named without building anything: collection (in every xdist worker, and for `-k` runs that
+# select none of them) builds no model; each family's cases are built when its test runs.
+PATTERN_FAMILIES = ("lora", "param_terms", "moe", "cond_constant_branch", "conv", "custom_rule", "spectral_norm")
+SHARDED_PATTERNS = {"sequence_parallel": "replicated", "hsdp": "HSDP", "kernels": "replicated", "pipeline": "stages"}
+MODELS = (("lm", "TP×FSDP", "reshard"), ("lm", "FSDP", "einsum"), ("stack", "FSDP", "reshard"))
+ZOO = (*PATTERN_FAMILIES, *SHARDED_PATTERNS, "semantics", "traps", "runs", *(f"{m}-{g}" for m, _, g in MODELS))
 
-    cases = []
-    for name in ("lora", "param_terms", "moe", "cond_constant_branch", "conv", "custom_rule", "spectral_norm"):
-        for layout in ("replicated", "TP", "FSDP"):
-            make = getattr(patterns, name)
-            kinds = list(patterns.QUANTIZERS) + ["batch_norm"] if name == "custom_rule" else [None]
-            for kind in kinds:
-                p = make(kind) if kind else make()
-                if layout in p.layouts:
-                    cases.append((f"{name}-{kind}-{layout}", p, layout))
-    for p, layout in [
-        (patterns.sequence_parallel(), "replicated"),
-        (patterns.hsdp(), "HSDP"),
-        (patterns.kernels(), "replicated"),
-        (patterns.pipeline(manual_data=True), "stages"),
-    ]:
-        cases.append((f"{p.axis_names}-{layout}", p, layout))
+
+def _zoo(family):
+    """The ``(label, mesh shape, axes, loss, params, specs, batch, batch specs)`` of one family of the losses of
+    tests/gspmd and benchmarks/gspmd."""
+    if family in PATTERN_FAMILIES:
+        make = getattr(patterns, family)
+        kinds = list(patterns.QUANTIZERS) + ["batch_norm"] if family == "custom_rule" else [None]
+        built = [(kind, make(kind) if kind else make()) for kind in kinds]
+        cases = [(f"{family}-{kind}-{layout}", p, layout) for kind, p in built for layout in p.layouts]
+    elif family in SHARDED_PATTERNS:
+        p = patterns.pipeline(manual_data=True) if family == "pipeline" else getattr(patterns, family)()
+        cases = [(f"{p.axis_names}-{SHARDED_PATTERNS[family]}", p, SHARDED_PATTERNS[family])]
+    else:
+        cases = []
     out = []
     for label, p, layout in cases:
-        specs = p.layouts[layout]
         batch_specs = p.batch_specs or (P(p.data_axes),) * len(p.batch)
-        out.append((label, p.mesh_shape, p.axis_names, p.loss, p.params, specs, p.batch, batch_specs))
-    params, x, tok, y, mask = test_semantics.data()
-    for head in test_semantics.HEADS:
-        out.append(
-            (
-                f"semantics-{head}",
-                (4, 2),
-                ("data", "model"),
-                test_semantics.global_loss(test_semantics.HEADS[head]),
-                params,
-                test_semantics.LAYOUTS["TPxFSDP"],
-                (x, tok, y, mask),
-                (P("data"),) * 4,
+        out.append((label, p.mesh_shape, p.axis_names, p.loss, p.params, p.layouts[layout], p.batch, batch_specs))
+    if family == "semantics":
+        from tests.gspmd import test_semantics
+
+        params, x, tok, y, mask = test_semantics.data()
+        for head in test_semantics.HEADS:
+            loss = test_semantics.global_loss(test_semantics.HEADS[head])
+            batch = (x, tok, y, mask)
+            out.append(
+                (
+                    f"semantics-{head}",
+                    (4, 2),
+                    ("data", "model"),
+                    loss,
+                    params,
+                    test_semantics.LAYOUTS["TPxFSDP"],
+                    batch,
+                    (P("data"),) * 4,
+                )
             )
+    elif family == "traps":
+        from tests.gspmd import test_traps
+
+        x, y = test_traps.batch()
+        out.append(("traps", (4, 2), ("data", "model"), test_traps.loss_fn, test_traps.init_params(), {}, (x, y), None))
+    elif family == "runs":
+        from tests.gspmd import test_runs
+
+        xs, ys = test_runs.batches()
+        out.append(
+            ("runs", (4, 2), ("data", "model"), test_runs.loss_fn, test_runs.init_params(), {}, (xs[0], ys[0]), None)
         )
-    x, y = test_traps.batch()
-    out.append(("traps", (4, 2), ("data", "model"), test_traps.loss_fn, test_traps.init_params(), {}, (x, y), None))
-    xs, ys = test_runs.batches()
-    out.append(
-        ("runs", (4, 2), ("data", "model"), test_runs.loss_fn, test_runs.init_params(), {}, (xs[0], ys[0]), None)
-    )
-    for name, layout, gather in [("lm", "TP×FSDP", "reshard"), ("lm", "FSDP", "einsum"), ("stack", "FSDP", "reshard")]:
-        model = models.build(name, layout, gather=gather, **{"layers": 2, "rows": 16})
-        specs = model.specs
-        out.append((f"{name}-{gather}", (4, 2), ("data", "model"), model.loss, model.params, specs, model.batch, None))
+    for name, layout, gather in MODELS:
+        if family == f"{name}-{gather}":
+            from benchmarks.gspmd import models
+
+            model = models.build(name, layout, gather=gather, **{"layers": 2, "rows": 16})
+            out.append((family, (4, 2), ("data", "model"), model.loss, model.params, model.specs, model.batch, None))
+    assert out, f"no case in the zoo's family {family!r}"
     return out
 
 
-@pytest.mark.parametrize("case", _zoo(), ids=lambda c: c[0])
-def test_every_primitive_the_zoos_losses_bind_is_classified(case):
-    """Forward and backward (what the interpreter re-evaluates, and what JAX's transposes bind in custom rules'
-    backward passes), on the mesh with the layout the tests use."""
+def _unclassified(case):
+    """The primitives one case's loss binds, forward and backward, that the table lacks."""
     _, shape, axes, loss, params, specs, batch, batch_specs = case
     mesh = jax.make_mesh(shape, axes)
     with jax.set_mesh(mesh):
@@ -141,7 +152,15 @@ def test_every_primitive_the_zoos_losses_bind_is_classified(case):
         batch_specs = batch_specs or (P("data"),) * len(batch)
         args = [put(b, s) for b, s in zip(batch, batch_specs, strict=True)]
         names = _names(jax.make_jaxpr(jax.value_and_grad(loss))(placed, *args).jaxpr)
-    assert names <= set(_table.TABLE), sorted(names - set(_table.TABLE))
+    return sorted(names - set(_table.TABLE))
+
+
+@pytest.mark.parametrize("family", ZOO)
+def test_every_primitive_the_zoos_losses_bind_is_classified(family):
+    """Forward and backward (what the interpreter re-evaluates, and what JAX's transposes bind in custom rules'
+    backward passes), on the mesh with the layout the tests use, for every case of the family."""
+    missing = {case[0]: _unclassified(case) for case in _zoo(family)}
+    assert not any(missing.values()), {label: names for label, names in missing.items() if names}
 
 
 def _unknown_primitive():

@@ -15,6 +15,7 @@ import pytest
 
 import optax_adascale
 from optax_adascale import goodput
+from optax_adascale.core import _read
 
 D = 3
 
@@ -100,3 +101,27 @@ def test_the_noise_scale_is_grad_var_over_grad_sqr_as_metrics_reports_them():
         state = tx.update(grads, state, jnp.zeros(D), microbatch_stats=stats)[1]
     m = optax_adascale.metrics(state)
     np.testing.assert_allclose(m["noise_scale"], float(m["grad_var"]) / float(m["grad_sqr"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "grad_var, grad_sqr, expected",
+    [
+        (2.0, math.nan, math.nan),  # a broken μ̄² with a positive σ̄²: not measured (a host copy of the rule said +inf)
+        (math.nan, 1.0, math.nan),
+        (math.inf, 1.0, math.nan),
+        (0.0, 0.0, math.nan),  # nothing measured yet
+        (2.0, 0.0, math.inf),  # pure noise
+        (2.0, -0.5, math.inf),  # μ̄² below 0 (unbiased_sqr) is floored at 0
+        (0.0, 4.0, 0.0),  # identical samples
+        (6.0, 4.0, 1.5),
+    ],
+)
+def test_goodput_choice_reads_the_noise_scale_as_metrics_does(grad_var, grad_sqr, expected):
+    # A Choice is a plain dataclass: one built (or edited) by hand may hold values choose_scale would refuse.
+    one = np.ones(1)
+    choice = goodput.Choice(1, one, one, one, one, one, grad_var, grad_sqr)
+    b, measured = (float(x) for x in _read.noise_scale(grad_var, grad_sqr, True))
+    if math.isnan(expected):
+        assert math.isnan(choice.noise_scale) and math.isnan(b) and not measured
+    else:
+        assert choice.noise_scale == b == expected and measured
