@@ -1,8 +1,23 @@
-"""Every read of JAX internals, behind one module (``tests/test_compat.py`` has a test per read).
+r"""Every read of JAX internals, behind one module (``tests/test_compat.py`` has a test per read).
 
 JAX moves its private modules and renames primitive parameters between releases (0.11
 renamed ``scan``'s ``num_consts``/``num_carry`` to ``ft_in``/``ft_out``). Each read here is
 feature-tested where a release may lack it, and says what happens then.
+
+**The jaxpr facade.** The drop-in (``optax_adascale/gspmd``) re-evaluates a loss's jaxpr. What it may touch of a
+jaxpr itself is exactly this, and nothing else:
+
+* an equation only as a handle it passes back here: the traversals (:func:`walk`, :func:`walk_back`) hand it to a
+  rule, and the rule reads it through :func:`primitive_name`, :func:`inputs`, :func:`outputs`,
+  :func:`multiple_results`, :func:`traced_type` and the readers of its parameters by meaning (:func:`scan_params`,
+  :func:`contraction_dims`, ...), and binds it again through :func:`bind` (custom calls: :func:`custom_call`).
+  ``grep -n "eqn\.\|\.bind(" optax_adascale/gspmd/`` finds only the calls of :func:`bind` itself;
+* a jaxpr's variable lists ``invars``, ``outvars`` and ``constvars`` (public fields of ``jax.extend.core.Jaxpr``),
+  whose variables it uses only as dictionary keys and counts and tests with :func:`is_literal`: which input of the
+  traced loss is which parameter is what the interpreter must know of a jaxpr besides its equations;
+* values, meshes and shardings through public JAX (``jax.typeof``, ``jax.sharding``).
+
+gspmd/ reads no ``eqn.params`` key and imports nothing of ``jax.core``, ``jax.extend`` or ``jax._src`` itself.
 """
 
 from __future__ import annotations
@@ -12,7 +27,6 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 # --------------------------------------------------------------------------- jaxprs
 
@@ -113,102 +127,74 @@ def batch_trace_axes(x: Any) -> list[Any]:
 
 
 # --------------------------------------------------------------------------- custom derivative calls
+# What the drop-in's re-evaluation of a custom rule (gspmd/_custom.py) reads of JAX's custom calls: the call's parts
+# as JAX's own bind parameters hold them, and the private types its lifted functions pass (symbolic zeros).
 
 
-def custom_call_bind_params(
-    eqn: Any, evaluate: Any, trace_context: Any = contextlib.nullcontext, bwd_auto_axes: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    """``eqn.primitive.get_bind_params(eqn.params)`` of a ``custom_jvp_call``/``custom_vjp_call`` whose traced
-    jaxprs (the function, its JVP or forward pass) run through ``evaluate(jaxpr, consts, args)``.
+class CustomCall(NamedTuple):
+    """The parts of a ``custom_jvp_call``/``custom_vjp_call`` equation (JAX 0.10-0.12)."""
 
-    JAX's own bind parameters evaluate those jaxprs with ``core.eval_jaxpr``, as traced; this mirrors
-    ``custom_derivatives.lift_jvp``/``lift_fwd`` (JAX 0.10–0.12) with ``evaluate`` in its place. The user's
-    backward function (``custom_vjp``) is Python and traces at the types it is given: kept. The JVP rule and
-    forward pass are traced (lazily, at the types the loss was traced at) under ``trace_context()``.
+    jvp: bool  # a custom_jvp_call (else a custom_vjp_call)
+    body: tuple[Any, list[Any]]  # (jaxpr, consts) of the function
+    num_consts: int  # leading operands that are the function's constants
+    rule: Any  # the traced rule: jvp_jaxpr_fun(*zeros) -> (jaxpr, consts, out_zeros) / fwd_jaxpr_thunk(*nonzeros)
+    subfuns: tuple[Any, ...]  # JAX's own bind functions: (fun, jvp) / (fun, fwd, bwd), whose debug info is kept
 
-    ``bwd_auto_axes``: the loss was traced with these axes Auto and runs with them Explicit. JAX checks the
-    backward function's cotangents against the primal types of the trace (Auto: no sharding), so the backward
-    function runs with those axes Auto again (``jax.sharding.auto_axes``), its cotangents sharded as the
-    primal values the forward pass was given.
-    """
-    from jax._src import core
+
+def custom_call(eqn: Any) -> CustomCall:
+    """The parts of a custom call, read from its parameters and ``get_bind_params`` (whose ``subfuns`` evaluate the
+    traced jaxprs with ``core.eval_jaxpr``; ``bwd``, the user's backward function, is Python)."""
+    jvp = eqn.primitive.name == "custom_jvp_call"
+    rule = eqn.params["jvp_jaxpr_fun" if jvp else "fwd_jaxpr_thunk"]
+    subfuns = tuple(eqn.primitive.get_bind_params(eqn.params)["subfuns"])
+    return CustomCall(jvp, body(eqn), eqn.params["num_consts"], rule, subfuns)
+
+
+def wrap_fun(f: Any, like: Any) -> Any:
+    """``f`` as the ``linear_util.WrappedFun`` a custom call binds, with ``like``'s debug info."""
     from jax._src import linear_util as lu
+
+    return lu.wrap_init(f, debug_info=like.debug_info)
+
+
+def is_symbolic_zero(x: Any) -> bool:
+    """Whether a tangent or cotangent a custom call's lifted function receives is JAX's symbolic zero."""
     from jax._src.custom_derivatives import SymbolicZero
+
+    return type(x) is SymbolicZero
+
+
+def symbolic_zero_of(primal: Any) -> Any:
+    """The symbolic zero tangent of ``primal`` (``SymbolicZero`` of its tangent type)."""
+    from jax._src.custom_derivatives import SymbolicZero
+
+    return SymbolicZero(jax.typeof(primal).to_tangent_aval())
+
+
+def symbolic_zero_type(zero: Any) -> Any:
+    """The abstract type (shape, dtype, sharding) a symbolic zero stands for."""
+    return zero.aval
+
+
+def is_zero_cotangent(x: Any) -> bool:
+    """Whether a cotangent a backward function returns is the AD machinery's ``Zero``."""
     from jax._src.interpreters import ad
 
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = params["subfuns"]
-    call = eqn.params["call_jaxpr"]
-    num_consts = eqn.params["num_consts"]
-    jaxpr, consts = (call.jaxpr, call.consts) if hasattr(call, "consts") else (call, ())
-    fun = lu.wrap_init(lambda *args: evaluate(jaxpr, consts, list(args)), debug_info=subfuns[0].debug_info)
-    if eqn.primitive.name == "custom_jvp_call":
-        jvp_jaxpr_fun = eqn.params["jvp_jaxpr_fun"]
+    return isinstance(x, ad.Zero)
 
-        def jvp(*xs):
-            n = len(xs) // 2
-            primals, tangents = xs[num_consts:n], xs[n + num_consts :]
-            zeros = [type(t) is SymbolicZero for t in tangents]
-            with trace_context():
-                jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
-            nonzero = [t for t in tangents if type(t) is not SymbolicZero]
-            out = evaluate(jvp_jaxpr, jvp_consts, [*primals, *nonzero])
-            out_primals, nz = out[: len(out_zeros)], iter(out[len(out_zeros) :])
-            out_tangents = [
-                SymbolicZero(core.typeof(p).to_tangent_aval()) if z else next(nz)
-                for p, z in zip(out_primals, out_zeros, strict=True)
-            ]
-            return [*out_primals, *out_tangents]
 
-        params["subfuns"] = (fun, lu.wrap_init(jvp, debug_info=subfuns[1].debug_info))
-        return params
-    fwd_jaxpr_thunk = eqn.params["fwd_jaxpr_thunk"]
-    primal_types: list[Any] = []
+def zero_cotangent(primal_type: Any) -> Any:
+    """The AD machinery's ``Zero`` cotangent of a value of type ``primal_type``."""
+    from jax._src.interpreters import ad
 
-    def fwd(*args):
-        vals, nonzeros = args[::2], args[1::2]
-        if any(nonzeros[:num_consts]):
-            raise ad.CustomVJPException()
-        primal_types[:] = [core.typeof(v) for v in vals]
-        with trace_context():
-            fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*nonzeros[num_consts:])
-        return evaluate(fwd_jaxpr, fwd_consts, list(vals[num_consts:]))
+    return ad.Zero(primal_type.to_ct_aval())
 
-    bwd = subfuns[2]
-    if bwd_auto_axes:
-        flat_bwd = bwd
 
-        def bwd_fn(*args):
-            types = list(primal_types)
-            zero_at: list[int] = []
-            with_logs: list[bool] = []
+def custom_vjp_error() -> Exception:
+    """What a ``custom_vjp``'s lifted forward pass raises for a differentiated constant (``ad.CustomVJPException``)."""
+    from jax._src.interpreters import ad
 
-            def run(*a):
-                out = flat_bwd.call_wrapped(*a)
-                # JAX 0.12: (cotangents, logs); 0.10-0.11: the cotangents
-                with_logs[:] = [isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple))]
-                cts = out[0] if with_logs[0] else out
-                if with_logs[0] and out[1] is not None:
-                    raise NotImplementedError("a custom_vjp backward rule with logs, on a converted Auto mesh")
-                zero_at[:] = [i for i, ct in enumerate(cts) if isinstance(ct, ad.Zero)]
-                # a symbolic zero cannot leave auto_axes: a dense stand-in, dropped below (and by XLA)
-                return [
-                    jnp.zeros(t.shape, jnp.float32) if i in zero_at else ct for i, (ct, t) in enumerate(zip(cts, types))
-                ]
-
-            specs = [t.sharding.spec for t in types]
-            # an output's symbolic-zero cotangent is not a JAX value: dense zeros of its type, made here
-            args = [
-                jnp.zeros(a.aval.shape, a.aval.dtype, out_sharding=a.aval.sharding) if type(a) is SymbolicZero else a
-                for a in args
-            ]
-            out = jax.sharding.auto_axes(run, axes=bwd_auto_axes, out_sharding=specs)(*args)
-            cts = [ad.Zero(t.to_ct_aval()) if i in zero_at else ct for i, (ct, t) in enumerate(zip(out, types))]
-            return (cts, None) if with_logs[0] else cts
-
-        bwd = lu.wrap_init(bwd_fn, debug_info=subfuns[2].debug_info)
-    params["subfuns"] = (fun, lu.wrap_init(fwd, debug_info=subfuns[1].debug_info), bwd)
-    return params
+    return ad.CustomVJPException()
 
 
 # --------------------------------------------------------------------------- tracers
@@ -222,11 +208,9 @@ def is_tracer(value: Any) -> bool:
 
 
 # =========================================================================== the jaxpr facade (gspmd)
-# Everything the drop-in's interpreter (optax_adascale/gspmd) reads of a jaxpr, in one place: the one traversal
-# (`walk`), binding an equation as JAX's evaluator binds it (`bind`: its parameters, context and name stack), an
-# equation's parameters by meaning (one function per read, with what each JAX calls it), closed jaxprs (`is_tracer`
-# above).
-# gspmd/ reads no `eqn.params` key and imports nothing of `jax.core`, `jax.extend` or `jax._src` itself.
+# Everything the drop-in's interpreter (optax_adascale/gspmd) reads of a jaxpr (the module docstring says what it may
+# touch itself): the traversals, binding an equation as JAX's evaluator binds it (its parameters, context and name
+# stack), an equation's own fields, its parameters by meaning (one function per read, with what each JAX calls it).
 
 
 def closed_jaxpr(jaxpr: Any, consts: Any) -> Any:
@@ -273,22 +257,85 @@ def walk(jaxpr: Any, consts: Any, args: Any, rule: Any, literal: Any = None, *, 
     return [read(v) for v in jaxpr.outvars]
 
 
+def walk_back(jaxpr: Any, facts: Any, rule: Any, join: Any, empty: Any) -> list[Any]:
+    """The one backward traversal of a jaxpr: ``facts`` about its outputs (one per output variable) flow back to its
+    inputs. For each equation from the last, ``rule(eqn, facts of its outputs) -> facts of its inputs``; facts meeting
+    at a variable are combined with ``join``; a variable nothing reaches holds ``empty``, a literal takes none.
+    Returns the facts of the jaxpr's inputs."""
+    lit: Any = literal_type()
+    env: dict[Any, Any] = {}
+
+    def add(v: Any, fact: Any) -> None:
+        if not isinstance(v, lit):
+            env[v] = join(env[v], fact) if v in env else fact
+
+    for v, fact in zip(jaxpr.outvars, facts, strict=True):
+        add(v, fact)
+    for eqn in reversed(jaxpr.eqns):
+        ins = rule(eqn, [env.get(v, empty) for v in eqn.outvars])
+        for v, fact in zip(eqn.invars, ins, strict=True):
+            add(v, fact)
+    return [env.get(v, empty) for v in jaxpr.invars]
+
+
+# ---- an equation's own fields
+
+
+def primitive_name(eqn: Any) -> str:
+    """The name of the primitive an equation binds (``dot_general``, ``scan``, ...): the dispatch table's key."""
+    return eqn.primitive.name
+
+
+def inputs(eqn: Any) -> list[Any]:
+    """An equation's operands: jaxpr variables and literals (:func:`is_literal`), in order."""
+    return list(eqn.invars)
+
+
+def outputs(eqn: Any) -> list[Any]:
+    """An equation's output variables, in order."""
+    return list(eqn.outvars)
+
+
+def multiple_results(eqn: Any) -> bool:
+    """Whether binding the equation returns a list of outputs (else one value)."""
+    return bool(eqn.primitive.multiple_results)
+
+
+def traced_type(v: Any) -> Any:
+    """The abstract type a jaxpr variable or literal was traced with (``shape``, ``dtype``, ``sharding``)."""
+    return v.aval
+
+
 def is_literal(v: Any) -> bool:
     """Whether a jaxpr operand is a literal (a constant written into the equation), not a variable."""
     return isinstance(v, literal_type())
 
 
-def bind(eqn: Any, args: Any, params: dict[str, Any] | None = None, *, context: bool = True, drop: Any = None) -> Any:
+def bind(
+    eqn: Any,
+    args: Any,
+    params: dict[str, Any] | None = None,
+    *,
+    context: bool = True,
+    drop: Any = None,
+    subfuns: Any = None,
+) -> Any:
     """``eqn``'s primitive bound to ``args`` as ``core.eval_jaxpr`` binds it: its bind parameters (``params`` in place
     of its own, ``get_bind_params``), inside its context (``eqn.ctx.manager``: compute type, threefry mode, XLA
     metadata, the mesh it was traced under) where ``context``. ``drop(value)``: a parameter it is true of is bound
-    as ``None`` (a sharding the rebinding must not keep)."""
+    as ``None`` (a sharding the rebinding must not keep). ``subfuns``: the functions a call primitive binds in place
+    of those ``get_bind_params`` lifts from its jaxprs (a custom call re-evaluated: :func:`custom_call`)."""
     bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+    own, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+    if subfuns is not None:
+        if "subfuns" in bind_params:  # custom calls (JAX 0.10-0.12) pass them as a parameter
+            bind_params = {**bind_params, "subfuns": tuple(subfuns)}
+        else:
+            own = tuple(subfuns)
     if drop is not None:
         bind_params = {k: (None if drop(v) else v) for k, v in bind_params.items()}
     with eqn.ctx.manager if context else contextlib.nullcontext():
-        return eqn.primitive.bind(*subfuns, *args, **bind_params)
+        return eqn.primitive.bind(*own, *args, **bind_params)
 
 
 def with_params(eqn: Any, **changes: Any) -> dict[str, Any]:
@@ -479,38 +526,3 @@ def binds_on_reduced(name: str) -> bool:
 def cast_axes(eqn: Any) -> tuple[str, ...]:
     """The mesh axes a ``pvary`` makes its operand vary over."""
     return tuple(eqn.params["axes"])
-
-
-def primitive(name: str) -> Any:
-    """The primitive JAX binds under ``name``: from its public surface (``jax.extend.core.primitives``, ``jax.lax``)
-    where it is there, else from the private module that defines it on JAX 0.10-0.12; ``None`` if this JAX has
-    none by that name (it was renamed or removed)."""
-    from jax.extend.core import Primitive
-    from jax.extend.core import primitives as public
-
-    for module in (public, jax.lax):
-        for value in vars(module).values():
-            if isinstance(value, Primitive) and value.name == name:
-                return value
-    import importlib
-
-    private = (
-        "shard_map",
-        "pjit",
-        "core",
-        "lax.parallel",
-        "random.prng",
-        "lax.control_flow.conditionals",
-        "lax.lax",
-        "lax.linalg",
-        "interpreters.partial_eval",
-    )
-    for where in (f"jax._src.{name}" for name in private):
-        try:
-            module = importlib.import_module(where)
-        except ImportError:  # pragma: no cover - moved: looked for in the others
-            continue
-        for value in vars(module).values():
-            if isinstance(value, Primitive) and value.name == name:
-                return value
-    return None

@@ -7,6 +7,7 @@
   one (``TP_*``: a ``(data=4, model=2)`` mesh, weights split over ``model``).
 * :func:`run_example`: an example script in a fresh interpreter.
 * :func:`backend_compiles`: the XLA compilations while a block runs (JAX's monitoring events).
+* :func:`primitive`: the primitive JAX binds under a name (the dispatch table's tests).
 """
 
 import contextlib
@@ -206,3 +207,41 @@ def backend_compiles(name: str = ""):
         yield seen
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+# --------------------------------------------------------------------------- JAX's primitives by name
+
+
+def primitive(name: str):
+    """The primitive JAX binds under ``name``: from its public surface (``jax.extend.core.primitives``, ``jax.lax``)
+    where it is there, else from the private module that defines it on JAX 0.10-0.12; ``None`` if this JAX has
+    none by that name (it was renamed or removed)."""
+    import importlib
+
+    from jax.extend.core import Primitive
+    from jax.extend.core import primitives as public
+
+    for module in (public, jax.lax):
+        for value in vars(module).values():
+            if isinstance(value, Primitive) and value.name == name:
+                return value
+    private = (
+        "shard_map",
+        "pjit",
+        "core",
+        "lax.parallel",
+        "random.prng",
+        "lax.control_flow.conditionals",
+        "lax.lax",
+        "lax.linalg",
+        "interpreters.partial_eval",
+    )
+    for where in (f"jax._src.{module}" for module in private):
+        try:
+            module = importlib.import_module(where)
+        except ImportError:  # pragma: no cover - moved: looked for in the others
+            continue
+        for value in vars(module).values():
+            if isinstance(value, Primitive) and value.name == name:
+                return value
+    return None

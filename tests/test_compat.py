@@ -94,15 +94,15 @@ def test_batch_trace_axes_name_the_vmap_axes_a_value_is_batched_over():
     assert _compat.batch_trace_axes(jnp.ones(2)) == []
 
 
-@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
-def test_custom_call_bind_params_rebinds_a_custom_call_through_an_evaluator(kind):
+def _custom_call(kind):
+    """A custom_jvp / custom_vjp function whose rule is not its derivative (7 × the cotangent), and its equation."""
     if kind == "custom_jvp":
 
         @jax.custom_jvp
         def f(x):
             return jnp.sin(x)
 
-        f.defjvp(lambda primals, tangents: (jnp.sin(primals[0]), 7.0 * tangents[0]))  # a rule, not the derivative
+        f.defjvp(lambda primals, tangents: (jnp.sin(primals[0]), 7.0 * tangents[0]))
     else:
 
         @jax.custom_vjp
@@ -110,23 +110,74 @@ def test_custom_call_bind_params_rebinds_a_custom_call_through_an_evaluator(kind
             return jnp.sin(x)
 
         f.defvjp(lambda x: (jnp.sin(x), None), lambda _, g: (7.0 * g,))
-
     closed = jax.make_jaxpr(f)(0.5)
     (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name.startswith("custom_")]
+    return eqn
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+def test_custom_call_reads_the_parts_jaxs_own_bind_functions_are_made_of(kind):
+    eqn = _custom_call(kind)
+    call = _compat.custom_call(eqn)
+    assert call.jvp == (kind == "custom_jvp")
+    assert call.num_consts == 0
+    assert [e.primitive.name for e in call.body[0].eqns] == ["sin"]
+    assert len(call.subfuns) == (2 if call.jvp else 3)
+    # JAX's own bind functions, re-bound through bind(subfuns=): the value and the rule
+    value, grad = jax.value_and_grad(lambda x: _compat.bind(eqn, [x], context=False, subfuns=call.subfuns)[0])(0.5)
+    assert float(value) == pytest.approx(np.sin(0.5))
+    assert float(grad) == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+def test_a_custom_call_rebinds_through_an_evaluator_with_its_rule(kind):
+    """The drop-in's re-binding of a custom call (gspmd/_custom.rebound) on this JAX's lifted functions: symbolic
+    zeros, wrapped functions, the custom_vjp forward pass's flags."""
+    from optax_adascale.gspmd import _custom
+
+    eqn = _custom_call(kind)
     evaluated = []
 
     def evaluate(jaxpr, consts, args):
         evaluated.append(jaxpr)
         return jax.core.eval_jaxpr(jaxpr, consts, *args)
 
-    def rebound(x):
-        params = _compat.custom_call_bind_params(eqn, evaluate)
-        return eqn.primitive.bind(x, **params)[0]
-
-    value, grad = jax.value_and_grad(rebound)(0.5)
+    bound = _custom.rebound(eqn, evaluate)
+    value, grad = jax.value_and_grad(lambda x: bound(x)[0])(0.5)
     assert float(value) == pytest.approx(np.sin(0.5))
     assert float(grad) == pytest.approx(7.0)  # the rule survived
     assert evaluated  # the traced jaxprs ran through the evaluator
+
+
+def test_symbolic_zeros_and_zero_cotangents_are_jaxs():
+    zero = _compat.symbolic_zero_of(jnp.ones((2, 3)))
+    assert _compat.is_symbolic_zero(zero) and not _compat.is_symbolic_zero(jnp.zeros(2))
+    assert _compat.symbolic_zero_type(zero).shape == (2, 3)
+    ct = _compat.zero_cotangent(jax.typeof(jnp.ones(3)))
+    assert _compat.is_zero_cotangent(ct) and not _compat.is_zero_cotangent(jnp.zeros(3))
+    assert isinstance(_compat.custom_vjp_error(), Exception)
+    wrapped = _compat.wrap_fun(lambda x: [x * 2], like=_compat.custom_call(_custom_call("custom_jvp")).subfuns[0])
+    assert wrapped.call_wrapped(3.0) == [6.0]
+
+
+def test_an_equations_own_fields_and_the_backward_walk():
+    jaxpr = jax.make_jaxpr(lambda x, y: (jnp.sin(x) * y, jax.lax.sort((x, y), num_keys=1)))(jnp.ones(3), jnp.ones(3))
+    sin, mul, sort = jaxpr.jaxpr.eqns
+    assert [_compat.primitive_name(e) for e in (sin, mul, sort)] == ["sin", "mul", "sort"]
+    assert _compat.inputs(mul) == [_compat.outputs(sin)[0], jaxpr.jaxpr.invars[1]]
+    assert _compat.multiple_results(sort) and not _compat.multiple_results(sin)
+    assert _compat.traced_type(_compat.outputs(mul)[0]).shape == (3,)
+    # which outputs each input reaches, from the last equation back
+    seen = []
+
+    def rule(eqn, outs):
+        seen.append(_compat.primitive_name(eqn))
+        return [frozenset().union(*outs)] * len(_compat.inputs(eqn))
+
+    facts = [frozenset({i}) for i in range(3)]
+    reached = _compat.walk_back(jaxpr.jaxpr, facts, rule, join=frozenset.union, empty=frozenset())
+    assert seen == ["sort", "mul", "sin"]
+    assert reached == [frozenset({0, 1, 2}), frozenset({0, 1, 2})]
 
 
 # --------------------------------------------------------------------------- core reads
@@ -345,25 +396,6 @@ def test_cast_axes_are_the_axes_pvary_makes_a_value_vary_over():
     body, _ = _compat.body(_eqn(f, jnp.ones(2), name="shard_map"))
     (eqn,) = [e for e in body.eqns if e.primitive.name == "pvary"]
     assert _compat.cast_axes(eqn) == ("x",)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "dot_general",
-        "reshard",
-        "shard_map",
-        "pvary",
-        "psum_invariant",
-        "remat2",
-        "ragged_dot_general",
-        "split",
-        "geqrf",
-    ],
-)
-def test_primitive_finds_what_jax_binds_by_name(name):
-    assert _compat.primitive(name).name == name
-    assert _compat.primitive("no_such_primitive") is None
 
 
 def test_binds_on_reduced_says_whether_jaxs_reshape_takes_an_operand_typed_reduced():

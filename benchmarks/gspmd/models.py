@@ -119,6 +119,7 @@ def lm(
     seq: int = 64,
     rows: int = 64,
     gather: str = "einsum",
+    unroll: int | bool = 1,
 ) -> Model:
     rng = np.random.default_rng(0)
     params = {
@@ -149,7 +150,7 @@ def lm(
             hidden = jax.nn.gelu(_matmul(gather, "btd,dh->bth", norm, w_in, specs["w_in"][1:], P("data", None, col)))
             return x + _matmul(gather, "bth,hd->btd", hidden, w_out, specs["w_out"][1:], P("data", None, None)), None
 
-        x, _ = jax.lax.scan(jax.checkpoint(block), x, (p["w_in"], p["w_out"], p["scale"]))
+        x, _ = jax.lax.scan(jax.checkpoint(block), x, (p["w_in"], p["w_out"], p["scale"]), unroll=unroll)
         if gather == "auto":
             logits = jnp.einsum("btd,vd->btv", x, p["embed"])
         else:
@@ -161,7 +162,14 @@ def lm(
 
 
 def stack(
-    layout: str, *, d: int = 512, h: int = 1024, layers: int = 8, rows: int = 64, gather: str = "reshard"
+    layout: str,
+    *,
+    d: int = 512,
+    h: int = 1024,
+    layers: int = 8,
+    rows: int = 64,
+    gather: str = "reshard",
+    unroll: int | bool = 1,
 ) -> Model:
     """``L`` residual blocks ``x + gelu(x W₁) W₂`` scanned with remat, squared error: the parameters (``2·L·d·h``
     floats) dwarf the activations (``rows × max(d, h)`` per layer), as in the models FSDP is for."""
@@ -181,13 +189,17 @@ def stack(
             hidden = jax.nn.gelu(_matmul(gather, "bd,dh->bh", x, w1, specs["w1"][1:], P("data", col)))
             return x + _matmul(gather, "bh,hd->bd", hidden, w2, specs["w2"][1:], P("data", None)), None
 
-        out, _ = jax.lax.scan(jax.checkpoint(block), x, (p["w1"], p["w2"]))
+        out, _ = jax.lax.scan(jax.checkpoint(block), x, (p["w1"], p["w2"]), unroll=unroll)
         return jnp.mean((out - y) ** 2)
 
     return Model("stack", layout, params, specs, (x, y), loss, gather=gather)
 
 
 def build(name: str, layout: str, **kw) -> Model:
+    """``unroll``: the scanned models' layer loop unrolled (``True``) so that a cost analysis sees every layer (XLA's
+    counts a loop's body once); the MLPs have no loop."""
+    if name not in ("lm", "stack"):
+        kw.pop("unroll", None)
     if name == "lm":
         return lm(layout, **kw)
     if name == "stack":

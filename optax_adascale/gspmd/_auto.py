@@ -1,6 +1,6 @@
 """A loss written for Auto axes, run on Explicit ones: where Explicit types ask for a decision, GSPMD's, by class.
 
-On a mesh with Auto axes the drop-in runs the loss with every axis made Explicit (``_drop_in._converted``). Explicit
+On a mesh with Auto axes the drop-in runs the loss with every axis made Explicit (``_convert.run``). Explicit
 types then ask where a result goes wherever operands are sharded differently; a loss written for Auto axes never
 says, GSPMD decides. :func:`decide` makes GSPMD's decision for an equation without a parameter's copy, from its
 class (``_table``) and its operands' types:
@@ -17,7 +17,7 @@ class (``_table``) and its operands' types:
 * a lookup (a gather from an operand not split like its indices, or along a split dimension): sharded like its
   indices, the converted axes Auto inside (:func:`gather_indexed`);
 * anything else as traced: where Explicit types cannot express it, JAX's error becomes our refusal
-  (``_drop_in._auto_refusal``, naming an Explicit mesh as the fix).
+  (``_convert``, naming an Explicit mesh as the fix).
 
 The loss's sharding hints for the Auto axes become constraints (:func:`hint`).
 """
@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd import _rebind, _types
 from optax_adascale.gspmd._layout import Layout
 from optax_adascale.gspmd._table import Kind
 
@@ -41,52 +41,52 @@ from optax_adascale.gspmd._table import Kind
 def decide(layout: Layout, kind: Kind, eqn, invals: list[Any]) -> Any:
     """``eqn`` (no copy among its operands) bound with GSPMD's decision for its class (the module docstring)."""
     if kind is Kind.ELEMENTWISE:
-        return _layout.bind(layout, eqn, _alike(layout, invals))
+        return _rebind.rebind(layout, eqn, _alike(layout, invals))
     if kind is Kind.CONTRACTION:
         invals = contraction_operands(eqn, invals)
-        return _layout.bind(layout, eqn, invals, contraction_params(eqn, invals))
+        return _rebind.rebind(layout, eqn, invals, contraction_params(eqn, invals))
     if kind is Kind.ALONG:
         rank = jnp.ndim(invals[0])
         along = set(_compat.along_dims(eqn, rank))
         axes = frozenset(a for x in invals if jnp.ndim(x) for d in along for a in _spec_axes(x, d))
-        return _layout.bind(layout, eqn, _alike(layout, [_off_axes(x, axes) for x in invals] if axes else invals))
+        return _rebind.rebind(layout, eqn, _alike(layout, [_off_axes(x, axes) for x in invals] if axes else invals))
     if looks_up(eqn, invals):
         return gather_indexed(layout, eqn, invals)
-    return _layout.bind(layout, eqn, invals)
+    return _rebind.rebind(layout, eqn, invals)
 
 
 def looks_up(eqn, invals: list[Any]) -> bool:
     """A gather whose rows come from its indices into an operand not split like them (an embedding lookup, a copy of
     the table included), or that indexes a dimension the operand is split along: GSPMD's lookup decision
     (:func:`gather_indexed`). A gather within each row of operands split alike (``take_along_axis``) is not one."""
-    if eqn.primitive.name != "gather":
+    if _compat.primitive_name(eqn) != "gather":
         return False
     operand, indices = invals
     split = {a for d in _compat.gather_dims(eqn)[1] for a in _spec_axes(operand, d)}
-    return bool(split or _layout.axes_of(indices) - _layout.axes_of(operand))
+    return bool(split or _types.axes_of(indices) - _types.axes_of(operand))
 
 
 def _alike(layout: Layout, invals: list[Any]) -> list[Any]:
     """Elementwise operands sharded alike: the replicated ones resharded like the one sharded operand of their shape;
     where two specs conflict, every operand gathered off the model axes, then off every axis."""
-    arrays = [x for x in invals if _layout.is_array(x) and jnp.ndim(x)]
-    specs = {_layout.partitions(x) for x in arrays if any(e is not None for e in _layout.partitions(x))}
+    arrays = [x for x in invals if _types.is_array(x) and jnp.ndim(x)]
+    specs = {_types.partitions(x) for x in arrays if any(e is not None for e in _types.partitions(x))}
     if len(specs) <= 1:
         if len({tuple(x.shape) for x in arrays}) != 1 or not specs:
             return invals
         (spec,) = specs
-        replicated = {id(x) for x in arrays if all(e is None for e in _layout.partitions(x))}
+        replicated = {id(x) for x in arrays if all(e is None for e in _types.partitions(x))}
         return [jax.reshard(x, P(*spec)) if id(x) in replicated else x for x in invals]
     every = frozenset(layout.axis_names)
     for axes in (every - frozenset(layout.data), every):
         out = [_off_axes(x, axes) for x in invals]
-        if len({_layout.partitions(x) for x in out if _layout.is_array(x) and jnp.ndim(x)}) <= 1:
+        if len({_types.partitions(x) for x in out if _types.is_array(x) and jnp.ndim(x)}) <= 1:
             return out
     return out
 
 
 def _spec_axes(x: Any, d: int) -> tuple[str, ...]:
-    return _layout.spec_axes(_layout.partitions(x)[d]) if d < jnp.ndim(x) else ()
+    return _types.spec_axes(_types.partitions(x)[d]) if d < jnp.ndim(x) else ()
 
 
 def contraction_operands(eqn, invals: list[Any]) -> list[Any]:
@@ -96,12 +96,12 @@ def contraction_operands(eqn, invals: list[Any]) -> list[Any]:
     over ``tensor``: ``x`` gathered, the output split like the weight's outputs, as GSPMD shards a Megatron layer).
     Kept, that axis would be dropped from the output and the weight gathered whole on every device."""
     (lc, rc), _ = _compat.contraction_dims(eqn)
-    lhs, rhs = (_layout.partitions(x) for x in invals)
+    lhs, rhs = (_types.partitions(x) for x in invals)
     out = list(invals)
     for i, (mine, theirs, own_c, their_c) in enumerate(((lhs, rhs, lc, rc), (rhs, lhs, rc, lc))):
-        contracted = {a for d in own_c for a in _layout.spec_axes(mine[d])}
-        shared = {a for d in their_c for a in _layout.spec_axes(theirs[d])}
-        elsewhere = {a for d in range(len(theirs)) if d not in their_c for a in _layout.spec_axes(theirs[d])}
+        contracted = {a for d in own_c for a in _types.spec_axes(mine[d])}
+        shared = {a for d in their_c for a in _types.spec_axes(theirs[d])}
+        elsewhere = {a for d in range(len(theirs)) if d not in their_c for a in _types.spec_axes(theirs[d])}
         axes = frozenset((contracted - shared) & elsewhere)
         if axes:
             out[i] = _off_axes(out[i], axes)
@@ -117,15 +117,15 @@ def contraction_sharding(eqn, invals) -> NamedSharding:
     """GSPMD's output sharding for a ``dot_general``: batch and free dimensions keep their operands' specs,
     the contracted axes (and any axis already used) are dropped: the partial products are summed."""
     (lc, rc), (lb, rb) = _compat.contraction_dims(eqn)
-    lhs, rhs = (_layout.partitions(x) for x in invals)
-    contracted = {a for d in lc for a in _layout.spec_axes(lhs[d])} | {a for d in rc for a in _layout.spec_axes(rhs[d])}
+    lhs, rhs = (_types.partitions(x) for x in invals)
+    contracted = {a for d in lc for a in _types.spec_axes(lhs[d])} | {a for d in rc for a in _types.spec_axes(rhs[d])}
     entries = [lhs[d] for d in lb]
     entries += [lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb]
     entries += [rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb]
     used: set[str] = set()
     out = []
     for entry in entries:
-        kept = tuple(a for a in _layout.spec_axes(entry) if a not in contracted and a not in used)
+        kept = tuple(a for a in _types.spec_axes(entry) if a not in contracted and a not in used)
         used.update(kept)
         out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return NamedSharding(jax.sharding.get_abstract_mesh(), P(*out))
@@ -136,11 +136,11 @@ def gather_indexed(layout: Layout, eqn, invals):
     its indices' batch dimensions (``.at[].get(out_sharding=)``)."""
     operand, indices = invals
     offset = set(_compat.gather_dims(eqn)[0])
-    batch = iter(_layout.partitions(indices)[:-1])
+    batch = iter(_types.partitions(indices)[:-1])
     out_rank = len(offset) + jnp.ndim(indices) - 1
     parts = [None if d in offset else next(batch) for d in range(out_rank)]
-    parts = [_layout.strip(e, frozenset(layout.axis_names) - layout.convert) for e in parts]
-    fn = lambda op, idx: _layout.bind(layout, eqn, [op, idx])  # noqa: E731
+    parts = [_types.strip(e, frozenset(layout.axis_names) - layout.convert) for e in parts]
+    fn = lambda op, idx: _rebind.rebind(layout, eqn, [op, idx])  # noqa: E731
     return jax.sharding.auto_axes(fn, axes=tuple(sorted(layout.convert)), out_sharding=P(*parts))(operand, indices)
 
 
@@ -148,7 +148,7 @@ def hint(layout: Layout, x, spec):
     """A sharding written for the Auto mesh, on the Explicit one: its axes not made Explicit, as a constraint."""
     if spec is None:
         return x
-    parts = tuple(_layout.strip(e, layout.convert) for e in spec.partitions)
+    parts = tuple(_types.strip(e, layout.convert) for e in spec.partitions)
     if all(p is None for p in parts):
         return x
     return lax.with_sharding_constraint(x, P(*parts))
@@ -156,7 +156,7 @@ def hint(layout: Layout, x, spec):
 
 def _off_axes(x: Any, axes: frozenset[str]) -> Any:
     """``x`` gathered off ``axes`` (its ``reduced`` axes kept); anything else as it is."""
-    if not _layout.is_array(x) or not jnp.ndim(x) or not axes & _layout.axes_of(x):
+    if not _types.is_array(x) or not jnp.ndim(x) or not axes & _types.axes_of(x):
         return x
-    parts = tuple(_layout.strip(e, axes) for e in _layout.partitions(x))
-    return jax.reshard(x, P(*parts, reduced=_layout.reduced_axes(x)))
+    parts = tuple(_types.strip(e, axes) for e in _types.partitions(x))
+    return jax.reshard(x, P(*parts, reduced=_types.reduced_axes(x)))

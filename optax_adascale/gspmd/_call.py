@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_adascale.gspmd._layout import broadcast_prefix
+from optax_adascale.gspmd._specs import broadcast_prefix
 
 
 def is_array(x: Any) -> bool:
@@ -60,7 +60,7 @@ class Call:
                 )
         return cls(nums, single, state_argnum)
 
-    def bind(self, loss_fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], Any, Any, list]:
+    def unpack(self, loss_fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], Any, Any, list]:
         """``(inner, params, state, arrays)`` for this call: ``inner(params, state, *arrays)`` calls ``loss_fn`` with
         the arguments rebuilt."""
         for i in (*self.argnums, *(() if self.state_argnum is None else (self.state_argnum,))):
@@ -97,7 +97,7 @@ class Call:
         return inner, params, state, arrays
 
     def array_names(self, loss_fn: Callable[..., Any], args: tuple[Any, ...]) -> list[str]:
-        """A name for each of :meth:`bind`'s ``arrays``, for messages: the parameter's name in ``loss_fn``'s
+        """A name for each of :meth:`unpack`'s ``arrays``, for messages: the parameter's name in ``loss_fn``'s
         signature where it has one (else ``argument i``), and the key path inside the argument."""
         try:
             import inspect

@@ -8,30 +8,131 @@ contraction over the rows (``dot_general``, ``reduce_sum`` over a dimension spli
 result reaches only the cotangents of parameters is left ``unreduced`` (each device's rows), which makes those
 cotangents the per-copy partials. A cotangent of a parameter that does not come out that way (the rule mixes
 the parameter's cotangent with the rows' in a way that is not a sum over rows) is refused with a ValueError.
+
+Every custom call the interpreter meets on a parameter, or on a converted Auto mesh, is bound again by
+:func:`rebound`: JAX's own bind functions with the traced jaxprs (the function, its JVP rule or forward pass)
+re-evaluated by the interpreter instead of ``core.eval_jaxpr`` (``_compat.custom_call`` reads the call's parts).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _auto, _layout
+from optax_adascale.gspmd import _auto, _copies, _rebind, _types
 from optax_adascale.gspmd._layout import Layout
 from optax_adascale.gspmd._table import Kind, kind_of
 
 CONTRACTIONS = (Kind.CONTRACTION, Kind.SUM)
+
+# --------------------------------------------------------------------------- a custom call bound again
+
+
+def rebound(eqn: Any, evaluate: Any, trace_context: Any = contextlib.nullcontext, bwd_auto_axes: tuple[str, ...] = ()):
+    """``bound(*xs)``: the custom call ``eqn`` bound to ``xs`` with its traced jaxprs (the function, its JVP rule or
+    forward pass) run through ``evaluate(jaxpr, consts, args)`` where JAX's own bind functions run them with
+    ``core.eval_jaxpr``. This mirrors ``custom_derivatives.lift_jvp``/``lift_fwd`` (JAX 0.10-0.12) with
+    ``evaluate`` in its place. The user's backward function (``custom_vjp``) is Python and traces at the types it
+    is given: kept. The JVP rule and forward pass are traced (lazily, at the types the loss was traced at) under
+    ``trace_context()``.
+
+    ``bwd_auto_axes``: the loss was traced with these axes Auto and runs with them Explicit. JAX checks the
+    backward function's cotangents against the primal types of the trace (Auto: no sharding), so the backward
+    function runs with those axes Auto again (``jax.sharding.auto_axes``), its cotangents sharded as the
+    primal values the forward pass was given.
+    """
+    call = _compat.custom_call(eqn)
+    jaxpr, consts = call.body
+    num_consts = call.num_consts
+    fun = _compat.wrap_fun(lambda *args: evaluate(jaxpr, consts, list(args)), like=call.subfuns[0])
+    if call.jvp:
+
+        def jvp(*xs):
+            n = len(xs) // 2
+            primals, tangents = xs[num_consts:n], xs[n + num_consts :]
+            zeros = [_compat.is_symbolic_zero(t) for t in tangents]
+            with trace_context():
+                jvp_jaxpr, jvp_consts, out_zeros = call.rule.call_wrapped(*zeros)
+            nonzero = [t for t in tangents if not _compat.is_symbolic_zero(t)]
+            out = evaluate(jvp_jaxpr, jvp_consts, [*primals, *nonzero])
+            out_primals, nz = out[: len(out_zeros)], iter(out[len(out_zeros) :])
+            out_tangents = [
+                _compat.symbolic_zero_of(p) if z else next(nz) for p, z in zip(out_primals, out_zeros, strict=True)
+            ]
+            return [*out_primals, *out_tangents]
+
+        jvp_subfuns = (fun, _compat.wrap_fun(jvp, like=call.subfuns[1]))
+        return lambda *xs: _compat.bind(eqn, xs, context=False, subfuns=jvp_subfuns)
+    primal_types: list[Any] = []
+
+    def fwd(*args):
+        vals, nonzeros = args[::2], args[1::2]
+        if any(nonzeros[:num_consts]):
+            raise _compat.custom_vjp_error()
+        primal_types[:] = [jax.typeof(v) for v in vals]
+        with trace_context():
+            fwd_jaxpr, fwd_consts = call.rule.call_wrapped(*nonzeros[num_consts:])
+        return evaluate(fwd_jaxpr, fwd_consts, list(vals[num_consts:]))
+
+    bwd = call.subfuns[2]
+    if bwd_auto_axes:
+        bwd = _compat.wrap_fun(_bwd_on_auto_axes(bwd, primal_types, bwd_auto_axes), like=call.subfuns[2])
+    subfuns = (fun, _compat.wrap_fun(fwd, like=call.subfuns[1]), bwd)
+    return lambda *xs: _compat.bind(eqn, xs, context=False, subfuns=subfuns)
+
+
+def _bwd_on_auto_axes(flat_bwd: Any, primal_types: list[Any], axes: tuple[str, ...]):
+    """The backward function ``flat_bwd`` run with ``axes`` Auto, its cotangents typed as ``primal_types`` (those
+    the forward pass was given, filled in when it runs)."""
+
+    def bwd_fn(*args):
+        types = list(primal_types)
+        zero_at: list[int] = []
+        with_logs: list[bool] = []
+
+        def run(*a):
+            out = flat_bwd.call_wrapped(*a)
+            # JAX 0.12: (cotangents, logs); 0.10-0.11: the cotangents
+            with_logs[:] = [isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple))]
+            cts = out[0] if with_logs[0] else out
+            if with_logs[0] and out[1] is not None:
+                raise NotImplementedError("a custom_vjp backward rule with logs, on a converted Auto mesh")
+            zero_at[:] = [i for i, ct in enumerate(cts) if _compat.is_zero_cotangent(ct)]
+            # a symbolic zero cannot leave auto_axes: a dense stand-in, dropped below (and by XLA)
+            return [
+                jnp.zeros(t.shape, jnp.float32) if i in zero_at else ct for i, (ct, t) in enumerate(zip(cts, types))
+            ]
+
+        specs = [t.sharding.spec for t in types]
+        # an output's symbolic-zero cotangent is not a JAX value: dense zeros of its type, made here
+        args = [_dense_zero(a) if _compat.is_symbolic_zero(a) else a for a in args]
+        out = jax.sharding.auto_axes(run, axes=axes, out_sharding=specs)(*args)
+        cts = [_compat.zero_cotangent(t) if i in zero_at else ct for i, (ct, t) in enumerate(zip(out, types))]
+        return (cts, None) if with_logs[0] else cts
+
+    return bwd_fn
+
+
+def _dense_zero(zero: Any) -> jax.Array:
+    t = _compat.symbolic_zero_type(zero)
+    return jnp.zeros(t.shape, t.dtype, out_sharding=t.sharding)
+
+
+# --------------------------------------------------------------------------- a custom rule on a parameter, per copy
 
 
 def per_copy(layout: Layout, evaluate, bound, eqn, invals: list[Any]) -> list[Any]:
     """``eqn`` (a custom call with ``reduced`` inputs; ``bound(*xs)`` binds it) forward on plain values, backward
     per copy. ``evaluate(jaxpr, consts, args, partial)``: the interpreter on ``jaxpr`` with the contractions
     ``partial`` (``id``\\ s of equations) left ``unreduced``."""
-    red = [_layout.reduced_axes(x) if hasattr(x, "shape") else frozenset() for x in invals]
-    multiple = eqn.primitive.multiple_results
+    red = [_types.reduced_axes(x) if hasattr(x, "shape") else frozenset() for x in invals]
+    multiple = _compat.multiple_results(eqn)
 
     def call(*xs):
         out = bound(*xs)
@@ -39,10 +140,10 @@ def per_copy(layout: Layout, evaluate, bound, eqn, invals: list[Any]) -> list[An
 
     @jax.custom_vjp
     def rule(*xs):
-        return call(*[_layout.plain(x) if r else x for x, r in zip(xs, red, strict=True)])
+        return call(*[_types.plain(x) if r else x for x, r in zip(xs, red, strict=True)])
 
     def fwd(*xs):
-        plain = [_layout.plain(x) if r else x for x, r in zip(xs, red, strict=True)]
+        plain = [_types.plain(x) if r else x for x, r in zip(xs, red, strict=True)]
         out, vjp_fn = jax.vjp(call, *plain)
         return out, vjp_fn
 
@@ -55,10 +156,10 @@ def per_copy(layout: Layout, evaluate, bound, eqn, invals: list[Any]) -> list[An
             if not r:
                 result.append(g)
                 continue
-            over = _layout.unreduced_axes(g)
+            over = _types.unreduced_axes(g)
             if not over & frozenset(layout.data):
                 raise ValueError(_not_a_sum(eqn, i))
-            result.append(_layout.fill_partial(layout, g, r - over))
+            result.append(_copies.fill_partial(layout, g, r - over))
         return tuple(result)
 
     rule.defvjp(fwd, bwd)
@@ -69,19 +170,17 @@ def per_copy(layout: Layout, evaluate, bound, eqn, invals: list[Any]) -> list[An
 def _partial_contractions(jaxpr, targets: list[int]) -> frozenset[int]:
     """The contractions of ``jaxpr`` whose results reach only the outputs ``targets`` (``id``\\ s of equations): a
     walk back from the outputs, the one backward walk of the drop-in."""
-    reach: dict[Any, frozenset[int]] = {}
-    for i, v in enumerate(jaxpr.outvars):
-        if not _compat.is_literal(v):
-            reach[v] = reach.get(v, frozenset()) | {i}
     partial = set()
     wanted = frozenset(targets)
-    for eqn in reversed(jaxpr.eqns):
-        outs = frozenset().union(*(reach.get(v, frozenset()) for v in eqn.outvars))
-        if kind_of(eqn.primitive.name) in CONTRACTIONS and outs and outs <= wanted:
+
+    def rule(eqn, outs):
+        reach = frozenset().union(*outs)
+        if kind_of(_compat.primitive_name(eqn)) in CONTRACTIONS and reach and reach <= wanted:
             partial.add(id(eqn))
-        for v in eqn.invars:
-            if not _compat.is_literal(v):
-                reach[v] = reach.get(v, frozenset()) | outs
+        return [reach] * len(_compat.inputs(eqn))
+
+    outputs = [frozenset({i}) for i in range(len(jaxpr.outvars))]
+    _compat.walk_back(jaxpr, outputs, rule, join=frozenset.union, empty=frozenset())
     return frozenset(partial)
 
 
@@ -89,31 +188,31 @@ def contract_partial(layout: Layout, eqn, invals: list[Any]) -> Any:
     """A contraction over the rows bound with its output ``unreduced`` over the data axes it contracts: each
     device's sum over its own rows. As traced where it contracts none."""
     data = frozenset(layout.data)
-    if kind_of(eqn.primitive.name) is Kind.CONTRACTION:
+    if kind_of(_compat.primitive_name(eqn)) is Kind.CONTRACTION:
         (lc, rc), _ = _compat.contraction_dims(eqn)
-        lhs, rhs = (_layout.partitions(x) for x in invals)
-        over = {a for d in lc for a in _layout.spec_axes(lhs[d])} & {a for d in rc for a in _layout.spec_axes(rhs[d])}
+        lhs, rhs = (_types.partitions(x) for x in invals)
+        over = {a for d in lc for a in _types.spec_axes(lhs[d])} & {a for d in rc for a in _types.spec_axes(rhs[d])}
         over &= data
         spec = _auto.contraction_sharding(eqn, invals).spec
     else:  # a sum
         (x,) = invals
-        parts = _layout.partitions(x)
+        parts = _types.partitions(x)
         axes = set(_compat.reduced_dims(eqn))
-        over = {a for d in axes for a in _layout.spec_axes(parts[d])} & data
+        over = {a for d in axes for a in _types.spec_axes(parts[d])} & data
         spec = P(*(e for d, e in enumerate(parts) if d not in axes))
     if not over:
-        return _layout.bind(layout, eqn, invals)
+        return _rebind.rebind(layout, eqn, invals)
     traced = _compat.out_sharding(eqn)
     key = "out_sharding" if traced is None else traced[0]
     out = NamedSharding(jax.sharding.get_abstract_mesh(), P(*spec, unreduced=frozenset(over)))
-    return _layout.bind(layout, eqn, invals, _compat.with_params(eqn, **{key: out}))
+    return _rebind.rebind(layout, eqn, invals, _compat.with_params(eqn, **{key: out}))
 
 
 def keep_unreduced(eqn, invals: list[Any]) -> dict[str, Any] | None:
     """The parameters of an equation on a per-device partial (downstream of :func:`contract_partial`) whose traced
     output sharding names no ``unreduced`` axes (a reshape): the same, ``unreduced`` as its operand is; else
     ``None`` (bound as traced)."""
-    over = frozenset().union(*(_layout.unreduced_axes(x) for x in invals if hasattr(x, "shape")))
+    over = frozenset().union(*(_types.unreduced_axes(x) for x in invals if hasattr(x, "shape")))
     traced = _compat.out_sharding(eqn)
     if not over or traced is None or traced[1] is None:
         return None
@@ -128,9 +227,10 @@ def keep_unreduced(eqn, invals: list[Any]) -> dict[str, Any] | None:
 
 def _not_a_sum(eqn, i: int) -> str:
     return (
-        f"value_and_grad(data_axes=...): loss_fn applies a custom rule ({eqn.primitive.name}) to a parameter (input "
-        f"{i}), and the rule's backward pass does not give that parameter's cotangent as a sum over the rows (each "
-        "data shard's part of it), so the per-copy statistics cannot be taken through it. Apply the rule to the "
-        "activations and the parameter outside it (e.g. gamma * rule(h) instead of rule(h, gamma)), or write its "
-        "backward pass so that the parameter's cotangent is a contraction over the rows (x.T @ ct, ct.sum(0))."
+        f"value_and_grad(data_axes=...): loss_fn applies a custom rule ({_compat.primitive_name(eqn)}) to a "
+        f"parameter (input {i}), and the rule's backward pass does not give that parameter's cotangent as a sum "
+        "over the rows (each data shard's part of it), so the per-copy statistics cannot be taken through it. Apply "
+        "the rule to the activations and the parameter outside it (e.g. gamma * rule(h) instead of rule(h, gamma)), "
+        "or write its backward pass so that the parameter's cotangent is a contraction over the rows (x.T @ ct, "
+        "ct.sum(0))."
     )

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale.core._samples import MicrobatchStats
-from optax_adascale.gspmd import _layout, _rewrite, _split
+from optax_adascale.gspmd import _copies, _rewrite, _split, _stats, _types
 from optax_adascale.gspmd._layout import Layout
 
 
@@ -28,8 +28,8 @@ class _Leaf:
 
 
 def _leaf(layout: Layout, p: Any) -> _Leaf:
-    parts = _layout.partitions(p)
-    split = frozenset(a for entry in parts for a in _layout.spec_axes(entry))
+    parts = _types.partitions(p)
+    split = frozenset(a for entry in parts for a in _types.spec_axes(entry))
     return _Leaf(P(*parts), split, bool(split & set(layout.data)))
 
 
@@ -53,12 +53,12 @@ def run(loss_fn, has_aux, layout: Layout, params, args, trace=None, unroll=1, n_
         """One (micro-)batch: value, aux, partial gradients (probed FSDP leaves reduce-scattered), ‖·‖² arrays."""
         value, aux, partials, probe_sq = loss(entry, batch)
         own = [i for i in range(len(partials)) if i not in probe_sq]
-        samples = [_layout.data_partial(layout, partials[i]) for i in own]
-        local = _layout.local_sqs(layout, [(g, _layout.partial_spec(g), True) for g in samples])
+        samples = [_copies.data_partial(layout, partials[i]) for i in own]
+        local = _stats.local_sqs(layout, [(g, _types.partial_spec(g), True) for g in samples])
         if probe_sq:  # leaf order: the probed leaves' arrays in their places
             rows = {i: local[j] for j, i in enumerate(own)} | dict(probe_sq)
             local = jnp.stack([rows[i] for i in range(len(partials))])
-        return jax.tree.map(_layout.plain, (value, aux)) + (partials, local)
+        return jax.tree.map(_types.plain, (value, aux)) + (partials, local)
 
     if layout.k == 1:
         value, aux, partials, sq = one(args)
@@ -68,12 +68,12 @@ def run(loss_fn, has_aux, layout: Layout, params, args, trace=None, unroll=1, n_
     # The partials sum the k micro-batches' gradients (each of weight 1/k in the mean).
     k = layout.k
     grads = [
-        jax.reshard(g, leaf.spec) if _layout.unreduced_axes(g) else g for g, leaf in zip(partials, info, strict=True)
+        jax.reshard(g, leaf.spec) if _types.unreduced_axes(g) else g for g, leaf in zip(partials, info, strict=True)
     ]
     grads = [(g if k == 1 else g / k).astype(p.dtype) for g, p in zip(grads, leaves, strict=True)]
     # g_i = (n/k)·partial_i per sample (k micro-batches of weight 1/k): a = mean_i ‖g_i‖² = (n/k²)·Σ_i ‖partial_i‖².
-    b_sq = _layout.local_sqs(layout, [(g, leaf.spec, False) for g, leaf in zip(grads, info, strict=True)])
-    sums = _layout.totals(layout, jnp.concatenate([sq, b_sq]))
+    b_sq = _stats.local_sqs(layout, [(g, leaf.spec, False) for g, leaf in zip(grads, info, strict=True)])
+    sums = _stats.totals(layout, jnp.concatenate([sq, b_sq]))
     m = len(leaves)
     a = sums[:m] * (layout.n / (k * k))
     stats = MicrobatchStats(treedef.unflatten(list(a)), layout.n, mean_sq_norms=treedef.unflatten(list(sums[m:])))
@@ -84,8 +84,8 @@ def run(loss_fn, has_aux, layout: Layout, params, args, trace=None, unroll=1, n_
 def _zeros_like_partial(x: Any) -> Any:
     """Zeros typed as the gradient of ``x``: unreduced where ``x`` is reduced, float32 or wider."""
     dtype = jnp.promote_types(x.dtype, jnp.float32)
-    reduced = _layout.reduced_axes(x)
-    parts = _layout.partitions(x)
+    reduced = _types.reduced_axes(x)
+    parts = _types.partitions(x)
     if reduced:
         return jax.reshard(jnp.zeros(x.shape, dtype, out_sharding=P(*parts)), P(*parts, unreduced=reduced))
     return jnp.zeros(x.shape, dtype, out_sharding=P(*parts))
@@ -94,7 +94,7 @@ def _zeros_like_partial(x: Any) -> Any:
 def _check_batch_sharded(layout: Layout, args: Any) -> None:
     """Some argument must be sharded over the data axes on its first dimension: else they are not the batch's."""
     for x in jax.tree.leaves(args):
-        if jnp.ndim(x) and set(layout.data) <= set(_layout.spec_axes(_layout.partitions(x)[0])):
+        if jnp.ndim(x) and set(layout.data) <= set(_types.spec_axes(_types.partitions(x)[0])):
             return
     raise ValueError(
         f"value_and_grad(data_axes={layout.data_spec!r}): no argument is sharded over {layout.data} on its first "

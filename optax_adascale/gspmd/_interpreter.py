@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _auto, _copies, _custom, _layout, _local, _plan
+from optax_adascale.gspmd import _auto, _copies, _custom, _local, _mesh, _plan, _rebind, _stats, _types
 from optax_adascale.gspmd._layout import Layout
 from optax_adascale.gspmd._table import ARRAY, Kind, kind_of, unknown
 
@@ -56,8 +56,8 @@ def _probe(layout: Layout, value: Any, slot: Any) -> Any:
         return v, None
 
     def bwd(_, ct):
-        sample = _layout.data_partial(layout, ct)
-        return ct, _layout.local_sq(layout, sample, _layout.partial_spec(sample), True)
+        sample = _copies.data_partial(layout, ct)
+        return ct, _stats.local_sq(layout, sample, _types.partial_spec(sample), True)
 
     probe.defvjp(fwd, bwd)
     return probe(value, slot)
@@ -82,21 +82,21 @@ class Interpreter:
         gathered: dict[Any, Any] = {}
 
         def rule(eqn, invals):
-            ins_lin = [frozenset() if _compat.is_literal(v) else lin.get(v, frozenset()) for v in eqn.invars]
-            kind = kind_of(eqn.primitive.name)
+            ins_lin = [frozenset() if _compat.is_literal(v) else lin.get(v, frozenset()) for v in _compat.inputs(eqn)]
+            kind = kind_of(_compat.primitive_name(eqn))
             if kind not in _plan.CARRIES_LINEAGE:
-                axes_of = lambda _, i, xs=invals: _layout.axes_of(xs[i])  # noqa: E731 - the values' own types
+                axes_of = lambda _, i, xs=invals: _types.axes_of(xs[i])  # noqa: E731 - the values' own types
                 for i in _plan.gathered_inputs(eqn, [bool(x) for x in ins_lin], self.data, axes_of):
-                    v = eqn.invars[i]
+                    v = _compat.inputs(eqn)[i]
                     if v not in gathered:
                         gathered[v] = self.gather(invals[i], ins_lin[i])
                     invals[i] = gathered[v]
                     ins_lin[i] = frozenset()
             ans = self.equation(kind, eqn, invals, ins_lin)
-            outs = list(ans) if eqn.primitive.multiple_results else [ans]
+            outs = list(ans) if _compat.multiple_results(eqn) else [ans]
             pure = _plan.pure_leaves(eqn, ins_lin)
             if pure:
-                lin.update((v, pure) for v in eqn.outvars)
+                lin.update((v, pure) for v in _compat.outputs(eqn))
             return outs
 
         return _compat.walk(jaxpr, [self.constant(c) for c in consts], args, rule, literal=self.constant, named=True)
@@ -116,8 +116,8 @@ class Interpreter:
         auto = {a: jax.sharding.AxisType.Auto for a in self.convert}
         return jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh().update_axis_types(auto))
 
-    def bind(self, eqn, invals, params=None):
-        return _layout.bind(self.layout, eqn, invals, params)
+    def rebind(self, eqn, invals, params=None):
+        return _rebind.rebind(self.layout, eqn, invals, params)
 
     def evaluate(self, jaxpr, consts, args, partial=frozenset()):
         """``jaxpr`` re-evaluated with these rules, these contractions left ``unreduced`` (``_custom``)."""
@@ -129,31 +129,32 @@ class Interpreter:
         if id(eqn) in self.partial:
             return _custom.contract_partial(self.layout, eqn, invals)
         if self.partial and (params := _custom.keep_unreduced(eqn, invals)) is not None:
-            return self.bind(eqn, invals, params)
+            return self.rebind(eqn, invals, params)
         if kind is None:
-            if any(_layout.reduced_axes(x) for x in invals):
-                raise ValueError(unknown(eqn.primitive.name, bool(_compat.sub_jaxprs(eqn))))
-            return self.bind(eqn, invals)
+            if any(_types.reduced_axes(x) for x in invals):
+                raise ValueError(unknown(_compat.primitive_name(eqn), bool(_compat.sub_jaxprs(eqn))))
+            return self.rebind(eqn, invals)
         return RULES[kind](self, eqn, invals, lineage)
 
     def array(self, eqn, invals, lineage=None):
         """An equation of an array primitive (the module docstring)."""
-        kind = kind_of(eqn.primitive.name)
+        kind = kind_of(_compat.primitive_name(eqn))
         if kind is Kind.GROUPED and any(id(x) in self.in_auto for x in invals):
             raise ValueError(_local.grouped_on_auto_axes(self.layout))
-        copies = [_layout.is_array(x) and bool(_layout.reduced_axes(x)) for x in invals]
+        copies = [_types.is_array(x) and bool(_types.reduced_axes(x)) for x in invals]
         if not any(copies):
-            return _auto.decide(self.layout, kind, eqn, invals) if self.convert else self.bind(eqn, invals)
-        rows = any(self.data & _layout.axes_of(x) for x, c in zip(invals, copies, strict=True) if not c)
+            return _auto.decide(self.layout, kind, eqn, invals) if self.convert else self.rebind(eqn, invals)
+        rows = any(self.data & _types.axes_of(x) for x, c in zip(invals, copies, strict=True) if not c)
         if rows and self.layout.extra:
             invals = self.widened(invals)
-        if kind in (Kind.VIEW, Kind.BROADCAST, Kind.SUM) and not rows and _compat.binds_on_reduced(eqn.primitive.name):
-            return self.bind(eqn, invals)
+        carried = kind in (Kind.VIEW, Kind.BROADCAST, Kind.SUM)
+        if carried and not rows and _compat.binds_on_reduced(_compat.primitive_name(eqn)):
+            return self.rebind(eqn, invals)
         if kind is Kind.CONTRACTION and rows:
             if not self.convert:
-                return self.bind(eqn, invals)
+                return self.rebind(eqn, invals)
             invals = _auto.contraction_operands(eqn, invals)
-            return self.bind(eqn, invals, _auto.contraction_params(eqn, invals))
+            return self.rebind(eqn, invals, _auto.contraction_params(eqn, invals))
         if kind is Kind.ELEMENTWISE and rows:
             out = _local.by_rows(self.layout, eqn, invals)
             if out is not None:
@@ -165,26 +166,26 @@ class Interpreter:
         return _local.local(self.layout, kind, eqn, invals)
 
     def opaque(self, eqn, invals, lineage=None):
-        return self.bind(eqn, invals)
+        return self.rebind(eqn, invals)
 
     def widened(self, invals):
         """A parameter's copy meeting rows split over more than the data axes (a sequence axis): ``reduced`` over
         those too, so that the partial its transpose contracts is typed as the contraction makes it; the cast's
         own transpose sums it back over them."""
         over = frozenset().union(
-            *(self.rows & _layout.axes_of(x) for x in invals if hasattr(x, "shape") and not _layout.reduced_axes(x))
+            *(self.rows & _types.axes_of(x) for x in invals if hasattr(x, "shape") and not _types.reduced_axes(x))
         )
         out = []
         for x in invals:
-            red = _layout.reduced_axes(x)
-            wider = (over - red) - _layout.axes_of(x) if red else frozenset()
-            out.append(jax.reshard(x, P(*_layout.partitions(x), reduced=red | wider)) if wider else x)
+            red = _types.reduced_axes(x)
+            wider = (over - red) - _types.axes_of(x) if red else frozenset()
+            out.append(jax.reshard(x, P(*_types.partitions(x), reduced=red | wider)) if wider else x)
         return out
 
     def constraint(self, eqn, invals, lineage=None):
         (x,) = invals
         if not self.convert:
-            return self.bind(eqn, invals)
+            return self.rebind(eqn, invals)
         return _auto.hint(self.layout, x, getattr(_compat.target_sharding(eqn), "spec", None))
 
     def call(self, eqn, invals, lineage):
@@ -196,31 +197,30 @@ class Interpreter:
         re-evaluated with these rules. On ``reduced`` values alone (a rule of the parameters): their copies kept
         apart as through any equation (``_local``). On a parameter and the rows: the rule on plain values, its
         backward pass per copy (``_custom``)."""
-        reduced_in = any(_layout.reduced_axes(x) for x in invals if _layout.is_array(x))
+        reduced_in = any(_types.reduced_axes(x) for x in invals if _types.is_array(x))
         if not reduced_in and not self.convert:
-            return self.bind(eqn, invals)
-        params = _compat.custom_call_bind_params(
+            return self.rebind(eqn, invals)
+        bound = _custom.rebound(
             eqn,
             lambda j, c, a: self.eval(j, [self.constant(x) for x in c], a),
             self.traced_mesh if self.convert else contextlib.nullcontext,
             bwd_auto_axes=tuple(sorted(self.convert)),
         )
-        bound = lambda *xs: eqn.primitive.bind(*xs, **params)  # noqa: E731
         if not reduced_in:
             return bound(*invals)
-        if not any(self.data & _layout.axes_of(x) for x in invals if not _layout.reduced_axes(x)):
+        if not any(self.data & _types.axes_of(x) for x in invals if not _types.reduced_axes(x)):
             return _local.local(self.layout, Kind.CUSTOM, eqn, invals)  # of the parameters alone: per copy
-        if not self.convert and eqn.primitive.name != "custom_jvp_call":
-            for x, v in zip(invals, eqn.invars, strict=True):
-                traced = getattr(getattr(getattr(v, "aval", None), "sharding", None), "spec", None)
-                if traced is not None and hasattr(x, "shape") and _layout.partitions(x) != _pad(traced, jnp.ndim(x)):
+        if not self.convert and _compat.primitive_name(eqn) != "custom_jvp_call":
+            for x, v in zip(invals, _compat.inputs(eqn), strict=True):
+                traced = getattr(getattr(_compat.traced_type(v), "sharding", None), "spec", None)
+                if traced is not None and hasattr(x, "shape") and _types.partitions(x) != _pad(traced, jnp.ndim(x)):
                     raise ValueError(_local.custom_refusal())  # its backward rule is typed for the FSDP shards
         return _custom.per_copy(self.layout, self.evaluate, bound, eqn, invals)
 
     def gather(self, x: Any, lineage: frozenset) -> Any:
         """An FSDP leaf's value gathered off the data axes as a ``reduced`` copy, through its probe."""
-        parts = tuple(_layout.strip(e, self.data) for e in _layout.partitions(x))
-        out = jax.reshard(x, P(*parts, reduced=self.data | _layout.reduced_axes(x)))
+        parts = tuple(_types.strip(e, self.data) for e in _types.partitions(x))
+        out = jax.reshard(x, P(*parts, reduced=self.data | _types.reduced_axes(x)))
         for leaf in lineage:
             if leaf in self.probes:
                 out = _probe(self.layout, out, self.probes[leaf])
@@ -229,21 +229,21 @@ class Interpreter:
     def reshard(self, eqn, invals, lineage):
         (x,) = invals
         target = _compat.target_sharding(eqn)
-        if _layout.auto_axes(target.mesh):  # a cast to Auto axes (how .at[].get(out_sharding=) gathers): as traced
+        if _mesh.auto_axes(target.mesh):  # a cast to Auto axes (how .at[].get(out_sharding=) gathers): as traced
             # traced on the Auto mesh and run on the Explicit one, the cast is the hint a constraint is
             if self.convert:
                 return _auto.hint(self.layout, x, target.spec)
-            out = self.bind(eqn, invals)
-            if _layout.reduced_axes(x):  # a copy on Auto axes: JAX transposes a grouped matmul of it wrongly
+            out = self.rebind(eqn, invals)
+            if _types.reduced_axes(x):  # a copy on Auto axes: JAX transposes a grouped matmul of it wrongly
                 self.in_auto[id(out)] = out  # kept alive: its id names it while the loss is evaluated
             return out
-        reduced = _layout.reduced_axes(x)
+        reduced = _types.reduced_axes(x)
         if not reduced:
-            return self.bind(eqn, invals)
+            return self.rebind(eqn, invals)
         spec = target.spec
         parts = tuple(spec.partitions) + (None,) * (jnp.ndim(x) - len(spec.partitions))
-        used = {a for e in parts for a in _layout.spec_axes(e)}  # a reduced value stays reduced where unsharded,
-        gathered = (self.rows & _layout.axes_of(x)) - used  # and becomes reduced over a row axis it is gathered off
+        used = {a for e in parts for a in _types.spec_axes(e)}  # a reduced value stays reduced where unsharded,
+        gathered = (self.rows & _types.axes_of(x)) - used  # and becomes reduced over a row axis it is gathered off
         return jax.reshard(x, P(*parts, reduced=(reduced | gathered) - used, unreduced=frozenset(spec.unreduced)))
 
     def scan(self, eqn, invals, lineage):
@@ -264,7 +264,7 @@ class Interpreter:
         re-evaluated on plain values (a copy as the same numbers on every device: a carry keeps its type through
         the loop), its operands the cond's consts, the body's, then the carry."""
         cn, bn, (cond, cond_consts), (body, body_consts) = _compat.while_params(eqn)
-        invals = [_layout.plain(x) if _layout.is_array(x) else x for x in invals]
+        invals = [_types.plain(x) if _types.is_array(x) else x for x in invals]
         cond_args, body_args, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
         return lax.while_loop(
             lambda c: self.eval(cond, cond_consts, [*cond_args, *c])[0],
@@ -281,7 +281,7 @@ class Interpreter:
             for b, c in _compat.cond_branches(eqn)
         ]
         types = [jax.eval_shape(branch, *invals[1:]) for branch in branches]
-        reduced = [frozenset().union(*(_layout.reduced_axes(t[i]) for t in types)) for i in range(len(types[0]))]
+        reduced = [frozenset().union(*(_types.reduced_axes(t[i]) for t in types)) for i in range(len(types[0]))]
         if any(reduced):
 
             def agreeing(branch):
@@ -305,16 +305,16 @@ class Interpreter:
         over, each device's block is its own copy: the input goes in as the stacked copies, a block per device,
         whose cotangents come back as the per-device partials (``_copies.copies``). Over other manual axes alone (a
         model axis), of the parameters alone it runs per copy (``_local``); with the rows it is refused."""
-        if not any(_layout.reduced_axes(x) for x in invals):
-            return self.bind(eqn, invals)
+        if not any(_types.reduced_axes(x) for x in invals):
+            return self.rebind(eqn, invals)
         sm = _compat.shard_map_params(eqn)
         if not sm.manual_axes & self.rows:  # JAX takes reduced in specs only when fully manual
-            if any(self.data & _layout.axes_of(x) for x in invals if not _layout.reduced_axes(x)):
+            if any(self.data & _types.axes_of(x) for x in invals if not _types.reduced_axes(x)):
                 raise ValueError(_manual_over_other_axes())
             return _local.local(self.layout, Kind.SHARD_MAP, eqn, invals)
         in_specs, args, stacked = [], [], []
         for x, spec in zip(invals, sm.in_specs, strict=True):
-            red = _layout.reduced_axes(x)
+            red = _types.reduced_axes(x)
             per_device = red & sm.manual_axes & self.rows
             if per_device:
                 copies, entry = _copies.copies(self.layout, x, per_device)
@@ -346,8 +346,8 @@ class Interpreter:
         cast = _compat.cast_axes(eqn)
         axes = tuple(a for a in cast if a not in _compat.varying_axes(x))
         if len(axes) == len(cast):
-            return self.bind(eqn, invals)
-        return self.bind(eqn, invals, _compat.with_params(eqn, axes=axes)) if axes else x
+            return self.rebind(eqn, invals)
+        return self.rebind(eqn, invals, _compat.with_params(eqn, axes=axes)) if axes else x
 
 
 # The rule of each class of primitive (``_table.Kind``).
@@ -374,9 +374,9 @@ def _pad(spec: Any, ndim: int) -> tuple[Any, ...]:
 
 def _as_reduced_over(x: Any, axes: frozenset[str]) -> Any:
     """``x`` typed ``reduced`` over ``axes`` (a free cast of a value replicated over them); as it is if it is."""
-    if not axes or _layout.reduced_axes(x) >= axes or not hasattr(x, "shape"):
+    if not axes or _types.reduced_axes(x) >= axes or not hasattr(x, "shape"):
         return x
-    return jax.reshard(x, P(*_layout.partitions(x), reduced=_layout.reduced_axes(x) | axes))
+    return jax.reshard(x, P(*_types.partitions(x), reduced=_types.reduced_axes(x) | axes))
 
 
 def _inner_lineage(inner, lineage) -> dict[Any, frozenset]:

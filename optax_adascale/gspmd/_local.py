@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _copies, _layout, _rows
+from optax_adascale.gspmd import _copies, _rebind, _rows, _types
 from optax_adascale.gspmd._layout import Layout
 from optax_adascale.gspmd._table import Kind
 
@@ -40,21 +40,21 @@ def local(layout: Layout, kind: Kind, eqn, invals):
     axes the equation must be local to the rows (its outputs sharded over them too).
     """
     data = frozenset(layout.data)
-    red = [bool(_layout.reduced_axes(x)) for x in invals]
-    mixing = any(not r and data & _layout.axes_of(x) for x, r in zip(invals, red, strict=True))
+    red = [bool(_types.reduced_axes(x)) for x in invals]
+    mixing = any(not r and data & _types.axes_of(x) for x, r in zip(invals, red, strict=True))
     if mixing:  # each shard's rows alone must give the equation's own result: nothing may mix rows
         rows = [_row_dims(x, data) if hasattr(x, "shape") and not r else frozenset() for x, r in zip(invals, red)]
         mixed = _rows.mixes(kind, eqn, rows)
         if mixed:
             raise ValueError(_not_local(eqn, mixed))
-    plain_out = _layout.bind(layout, eqn, [_layout.plain(x) if r else x for x, r in zip(invals, red, strict=True)])
-    outs = list(plain_out) if eqn.primitive.multiple_results else [plain_out]
-    if mixing and any(isinstance(o, jax.Array) and jnp.ndim(o) and not data <= _layout.axes_of(o) for o in outs):
+    plain_out = _rebind.rebind(layout, eqn, [_types.plain(x) if r else x for x, r in zip(invals, red, strict=True)])
+    outs = list(plain_out) if _compat.multiple_results(eqn) else [plain_out]
+    if mixing and any(isinstance(o, jax.Array) and jnp.ndim(o) and not data <= _types.axes_of(o) for o in outs):
         raise ValueError(_not_local(eqn, "its output is not sharded over the data axes"))
     if not any(r and jnp.issubdtype(x.dtype, jnp.inexact) for x, r in zip(invals, red, strict=True)):
         return plain_out
     result = _LocalVJP(layout, kind, eqn, red, keep_reduced=not mixing)(*invals)
-    return result if eqn.primitive.multiple_results else result[0]
+    return result if _compat.multiple_results(eqn) else result[0]
 
 
 def by_rows(layout: Layout, eqn, invals) -> Any:
@@ -62,39 +62,35 @@ def by_rows(layout: Layout, eqn, invals) -> Any:
     ``None`` where the layout does not split that way: rows over more than the data axes, along more than one
     dimension or not over the data axes alone, or a copy with more than one row along the rows' dimension (those
     take :func:`local`)."""
-    if eqn.primitive.multiple_results or layout.extra:
+    if _compat.multiple_results(eqn) or layout.extra:
         return None
-    out_shape = tuple(eqn.outvars[0].aval.shape)
+    out_shape = tuple(_compat.traced_type(_compat.outputs(eqn)[0]).shape)
     data = frozenset(layout.data)
     arrays = [x for x in invals if hasattr(x, "shape") and jnp.ndim(x)]
     dims = {
         d
         for x in arrays
-        if not _layout.reduced_axes(x)
-        for d, e in enumerate(_layout.partitions(x))
-        if data & set(_layout.spec_axes(e))
+        if not _types.reduced_axes(x)
+        for d, e in enumerate(_types.partitions(x))
+        if data & set(_types.spec_axes(e))
     }
     if not out_shape or len(dims) != 1 or any(jnp.ndim(x) != len(out_shape) for x in arrays):
         return None
     (d,) = dims
     for x in arrays:
-        if _layout.reduced_axes(x) and x.shape[d] != 1:
+        if _types.reduced_axes(x) and x.shape[d] != 1:
             return None
-        if (
-            not _layout.reduced_axes(x)
-            and x.shape[d] != 1
-            and _layout.spec_axes(_layout.partitions(x)[d]) != layout.data
-        ):
+        if not _types.reduced_axes(x) and x.shape[d] != 1 and _types.spec_axes(_types.partitions(x)[d]) != layout.data:
             return None
     n, entry = layout.shards, layout.data_spec
 
     def split(x):
-        if not hasattr(x, "shape") or not (jnp.ndim(x) or _layout.reduced_axes(x)):
+        if not hasattr(x, "shape") or not (jnp.ndim(x) or _types.reduced_axes(x)):
             return x
         if not jnp.ndim(x):  # a scalar copy: one element along every dimension
             x = x.reshape((1,) * len(out_shape))
-        parts = _layout.partitions(x)
-        if _layout.reduced_axes(x):
+        parts = _types.partitions(x)
+        if _types.reduced_axes(x):
             stack, _ = _copies.copies(layout, x, data)  # (n, *x.shape), a copy per data shard
             stack = jnp.moveaxis(stack, 0, d)  # (.., n, 1, ..): dim d + 1 is x's own size-1 dimension
             shape, spec = x.shape[:d] + (n, 1) + x.shape[d + 1 :], (*parts[:d], entry, None, *parts[d + 1 :])
@@ -108,8 +104,8 @@ def by_rows(layout: Layout, eqn, invals) -> Any:
             )
         return x.reshape(shape, out_sharding=P(*spec))
 
-    out = _layout.bind(layout, eqn, [split(x) for x in invals])
-    parts = _layout.partitions(out)
+    out = _rebind.rebind(layout, eqn, [split(x) for x in invals])
+    parts = _types.partitions(out)
     return out.reshape(out_shape, out_sharding=P(*parts[:d], entry, *parts[d + 2 :]))
 
 
@@ -120,24 +116,24 @@ def by_groups(layout: Layout, eqn, invals) -> Any:
     lhs, rhs, sizes = invals
     data = frozenset(layout.data)
     dims = _compat.ragged_dims(eqn)
-    lhs_parts, rhs_parts = _layout.partitions(lhs), _layout.partitions(rhs)
+    lhs_parts, rhs_parts = _types.partitions(lhs), _types.partitions(rhs)
     free = [d for d in range(jnp.ndim(lhs)) if d not in dims.contracting and d not in dims.batch]
     takes = (
         not dims.offset
         and not dims.batch
         and not layout.extra
         and dims.ragged in free
-        and bool(_layout.reduced_axes(rhs))
-        and not _layout.reduced_axes(lhs)
-        and _layout.spec_axes(lhs_parts[dims.ragged]) == layout.data
+        and bool(_types.reduced_axes(rhs))
+        and not _types.reduced_axes(lhs)
+        and _types.spec_axes(lhs_parts[dims.ragged]) == layout.data
         and all(e is None for d, e in enumerate(lhs_parts) if d != dims.ragged)
         and all(e is None for d, e in enumerate(rhs_parts) if d not in dims.rhs_free)
-        and not (_layout.axes_of(rhs) & data)
+        and not (_types.axes_of(rhs) & data)
     )
     if not takes:
         raise ValueError(_not_grouped(eqn, lhs_parts, rhs_parts, layout))
     stacked, entry = _copies.copies(layout, rhs, data)
-    sizes = jax.reshard(sizes, P()) if _layout.axes_of(sizes) else sizes
+    sizes = jax.reshard(sizes, P()) if _types.axes_of(sizes) else sizes
     rows_per_device = lhs.shape[dims.ragged] // layout.shards
     out_spec = P(
         *(layout.data_spec if d == dims.ragged else None for d in free), *(rhs_parts[d] for d in dims.rhs_free)
@@ -165,8 +161,8 @@ def by_groups(layout: Layout, eqn, invals) -> Any:
 def _not_grouped(eqn, lhs_parts, rhs_parts, layout: Layout) -> str:
     return (
         f"value_and_grad(data_axes={layout.data_spec!r}): loss_fn applies the grouped contraction "
-        f"'{eqn.primitive.name}' (lax.ragged_dot) to a parameter (sharded {P(*rhs_parts)}) and the batch's rows "
-        f"(sharded {P(*lhs_parts)}). Its groups index the whole batch's rows, so the drop-in runs it on each "
+        f"'{_compat.primitive_name(eqn)}' (lax.ragged_dot) to a parameter (sharded {P(*rhs_parts)}) and the batch's "
+        f"rows (sharded {P(*lhs_parts)}). Its groups index the whole batch's rows, so the drop-in runs it on each "
         "device's rows with that device's own copy and its groups' sizes; that needs the lhs's ragged dimension "
         f"split over the data axes alone (P({layout.data_spec!r}, None)), its other dimensions whole, no batch "
         "dimension, no group_offset and the parameter not split over the data axes (gather an FSDP weight first: "
@@ -190,15 +186,15 @@ def grouped_on_auto_axes(layout: Layout) -> str:
 
 def _row_dims(x: Any, data: frozenset[str]) -> frozenset[int]:
     """The dimensions of ``x`` split over the data axes: they index rows of the batch."""
-    return frozenset(d for d, e in enumerate(_layout.partitions(x)) if data & set(_layout.spec_axes(e)))
+    return frozenset(d for d, e in enumerate(_types.partitions(x)) if data & set(_types.spec_axes(e)))
 
 
 def _not_local(eqn, why: str) -> str:
     return (
         f"value_and_grad(data_axes=...) cannot take per-copy statistics through the operation "
-        f"'{eqn.primitive.name}' of loss_fn: JAX has no rule for it on parameters typed reduced over the data axes, "
-        f"and it is not local to the rows ({why}), so running it on each data shard's rows would change it. Write "
-        "this step of the loss so that a parameter meets the batch in a row-local operation (a matmul, an "
+        f"'{_compat.primitive_name(eqn)}' of loss_fn: JAX has no rule for it on parameters typed reduced over the data "
+        f"axes, and it is not local to the rows ({why}), so running it on each data shard's rows would change it. "
+        "Write this step of the loss so that a parameter meets the batch in a row-local operation (a matmul, an "
         "elementwise op, an embedding lookup), or keep the parameter out of the step that mixes the rows."
     )
 
@@ -217,9 +213,9 @@ class _LocalVJP:
         self.layout, self.kind, self.eqn, self.red, self.keep_reduced = layout, kind, eqn, red, keep_reduced
 
     def _forward(self, *xs):
-        plain = [_layout.plain(x) if r else x for x, r in zip(xs, self.red, strict=True)]
-        outs = _layout.bind(self.layout, self.eqn, plain)
-        outs = list(outs) if self.eqn.primitive.multiple_results else [outs]
+        plain = [_types.plain(x) if r else x for x, r in zip(xs, self.red, strict=True)]
+        outs = _rebind.rebind(self.layout, self.eqn, plain)
+        outs = list(outs) if _compat.multiple_results(self.eqn) else [outs]
         if self.keep_reduced:
             outs = [_copies.as_reduced(o, self.layout.rows) for o in outs]
         return tuple(outs), tuple(plain)
@@ -230,7 +226,7 @@ class _LocalVJP:
 
         def g(*xs):  # one shard's block: no trace-time context, no sharding parameters
             out = _compat.bind(eqn, xs, context=False, drop=sharding)
-            return list(out) if eqn.primitive.multiple_results else [out]
+            return list(out) if _compat.multiple_results(eqn) else [out]
 
         def vjp(plain, cts):
             _, f = jax.vjp(g, *plain)
@@ -241,7 +237,7 @@ class _LocalVJP:
     def __call__(self, *invals):
         layout = self.layout
         vjp = self._vjp_fn()
-        reduced_over = [_layout.reduced_axes(x) for x in invals]
+        reduced_over = [_types.reduced_axes(x) for x in invals]
 
         @jax.custom_vjp
         def f(*xs):
@@ -251,7 +247,7 @@ class _LocalVJP:
             return self._forward(*xs)
 
         def bwd(plain, cts):
-            cts = [_layout.data_partial(layout, c) if hasattr(c, "shape") else c for c in cts]
+            cts = [_copies.data_partial(layout, c) if hasattr(c, "shape") else c for c in cts]
             values = [x for x in [*plain, *cts] if hasattr(x, "shape")]
             per_device = _on_devices(layout, values)
             try:
@@ -265,7 +261,7 @@ class _LocalVJP:
                     raise
                 raise ValueError(custom_refusal()) from err
             return tuple(
-                _layout.spread_partial(layout, g, over) if r else g
+                _copies.spread_partial(layout, g, over) if r else g
                 for g, r, over in zip(grads, self.red, reduced_over, strict=True)
             )
 
@@ -278,9 +274,9 @@ def _on_devices(layout: Layout, values: list[Any]) -> bool:
     would gather it), no dimension split over the data axes and another axis, or over them out of mesh order."""
     data = frozenset(layout.data)
     for x in values:
-        if _layout.axes_of(x) - data:
+        if _types.axes_of(x) - data:
             return False
-        if any(data & set(_layout.spec_axes(e)) and _layout.spec_axes(e) != layout.data for e in _layout.partitions(x)):
+        if any(data & set(_types.spec_axes(e)) and _types.spec_axes(e) != layout.data for e in _types.partitions(x)):
             return False
     return True
 
@@ -291,13 +287,13 @@ def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: 
     data, entry = frozenset(layout.data), layout.data_spec
 
     def row_spec(x: Any) -> P | None:
-        if not hasattr(x, "shape") or not jnp.ndim(x) or not _layout.axes_of(x) & data:
+        if not hasattr(x, "shape") or not jnp.ndim(x) or not _types.axes_of(x) & data:
             return None
-        return P(*(entry if data & set(_layout.spec_axes(e)) else None for e in _layout.partitions(x)))
+        return P(*(entry if data & set(_types.spec_axes(e)) else None for e in _types.partitions(x)))
 
     args, specs, kinds = [], [], []
     for x in [*plain, *cts]:
-        if hasattr(x, "shape") and _layout.unreduced_axes(x) & data:
+        if hasattr(x, "shape") and _types.unreduced_axes(x) & data:
             args.append(_copies.stack_partials(layout, x))
             specs.append(P(entry))
             kinds.append("partial")
@@ -346,7 +342,7 @@ def _per_shard_vmap(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: 
     args = ([r.value for r in res], [c.value for c in cot])
     if auto:
         data = frozenset(layout.data)
-        out_specs = [P(layout.data_spec, *(_layout.strip(e, data) for e in _layout.partitions(x))) for x in plain]
+        out_specs = [P(layout.data_spec, *(_types.strip(e, data) for e in _types.partitions(x))) for x in plain]
         grads = jax.sharding.auto_axes(per_shard, out_sharding=out_specs)(*args)
     else:
         grads = per_shard(*args)

@@ -85,3 +85,17 @@ def check_replica_axis_bound(mesh: Any, tree: Any) -> None:
             "would be only the micro-batches (n = num_microbatches). Pass data_axes= naming the mesh axes "
             "the batch is sharded over (e.g. data_axes='data')."
         )
+
+
+def auto_axes(mesh: Any) -> tuple[str, ...]:
+    """The mesh's axes that are not Explicit (Auto, Manual), in mesh order."""
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Explicit)
+
+
+def in_context(the_mesh: Any, given: Any) -> Any:
+    """``mesh=`` given and none set: run under it (``jax.sharding`` reads the context's mesh)."""
+    import contextlib
+
+    if given is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(getattr(the_mesh, "abstract_mesh", the_mesh))

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd import _types
 from optax_adascale.gspmd._table import Kind, kind_of
 
 # Classes whose bodies the plan and the interpreter walk with the lineage (the interpreter gathers nothing at the
@@ -34,7 +34,7 @@ def _var_axes(v: Any) -> frozenset[str]:
     spec = getattr(sharding, "spec", None)
     if spec is None:
         return frozenset()
-    return frozenset(a for e in spec.partitions for a in _layout.spec_axes(e))
+    return frozenset(a for e in spec.partitions for a in _types.spec_axes(e))
 
 
 def typed_axes(data: frozenset[str], typed: bool):
@@ -42,7 +42,7 @@ def typed_axes(data: frozenset[str], typed: bool):
     for a loss traced on Auto axes (whose types record no sharding), the data axes for every value still
     derived from FSDP leaves alone (nothing gathered it: a gather ends the lineage)."""
     if typed:
-        return lambda eqn, i: _var_axes(eqn.invars[i])
+        return lambda eqn, i: _var_axes(_compat.inputs(eqn)[i])
     return lambda eqn, i: data
 
 
@@ -50,11 +50,11 @@ def gathered_inputs(eqn, pure: list[bool], data: frozenset[str], axes_of) -> lis
     """The inputs of ``eqn`` that are FSDP gathers: values derived from FSDP leaves alone, sharded over the data
     axes, met by something else (a mixing equation) or resharded off the data axes. ``axes_of(eqn, i)``: the
     mesh axes input ``i`` is sharded over."""
-    kind = kind_of(eqn.primitive.name)
-    real = [i for i, v in enumerate(eqn.invars) if not _compat.is_literal(v)]
+    kind = kind_of(_compat.primitive_name(eqn))
+    real = [i for i, v in enumerate(_compat.inputs(eqn)) if not _compat.is_literal(v)]
     if kind is Kind.GATHER:
         target = _compat.target_sharding(eqn).spec
-        off = data & axes_of(eqn, 0) - frozenset(a for e in target.partitions for a in _layout.spec_axes(e))
+        off = data & axes_of(eqn, 0) - frozenset(a for e in target.partitions for a in _types.spec_axes(e))
         return [0] if pure[0] and off else []
     if kind is Kind.WHILE or (all(pure[i] for i in real) and kind in _TRANSPARENT):
         return []  # a view of the parameter (its cotangent the same numbers), or no gradient: evaluated as traced
@@ -78,7 +78,7 @@ def walk(jaxpr, lineage: dict[Any, frozenset], data: frozenset[str], plan: Plan,
     :func:`typed_axes`)."""
 
     def rule(eqn, ins):
-        kind = kind_of(eqn.primitive.name)
+        kind = kind_of(_compat.primitive_name(eqn))
         if kind in CARRIES_LINEAGE:
             for sub, inner in _inner(eqn, kind, ins):
                 walk(sub, dict(zip(sub.invars, inner, strict=True)), data, plan, axes_of, loop or kind is Kind.SCAN)
@@ -86,17 +86,17 @@ def walk(jaxpr, lineage: dict[Any, frozenset], data: frozenset[str], plan: Plan,
             pure = [bool(lin) for lin in ins]
             for i in gathered_inputs(eqn, pure, data, axes_of):
                 for leaf, sliced in ins[i]:
-                    plan.sites.setdefault(leaf, set()).add(eqn.invars[i])
+                    plan.sites.setdefault(leaf, set()).add(_compat.inputs(eqn)[i])
                     if loop and not sliced:
                         plan.hoist.add(leaf)  # the same copy gathered on every iteration
                 ins[i] = frozenset()  # gathered: a plain value from here on, as the interpreter sees it
                 pure[i] = False
-            real = [i for i, v in enumerate(eqn.invars) if not _compat.is_literal(v)]
+            real = [i for i, v in enumerate(_compat.inputs(eqn)) if not _compat.is_literal(v)]
             if kind is not Kind.WHILE and real and not all(pure[i] for i in real):
                 for i in real:  # a replicated FSDP-derived value meets the batch
                     if pure[i] and not data & axes_of(eqn, i):
                         plan.hoist.update(leaf for leaf, _ in ins[i])
-        return [pure_leaves(eqn, ins)] * len(eqn.outvars)
+        return [pure_leaves(eqn, ins)] * len(_compat.outputs(eqn))
 
     args = [lineage.get(v, frozenset()) for v in jaxpr.invars]
     _compat.walk(jaxpr, [frozenset()] * len(jaxpr.constvars), args, rule, literal=lambda _: frozenset())
@@ -115,7 +115,7 @@ def _inner(eqn, kind: Kind, ins: list[frozenset]) -> list[tuple[Any, list[frozen
 
 def pure_leaves(eqn, ins) -> frozenset:
     """The FSDP leaves an equation's outputs derive from, if they derive from parameters alone (else none)."""
-    real = [lin for v, lin in zip(eqn.invars, ins, strict=True) if not _compat.is_literal(v)]
+    real = [lin for v, lin in zip(_compat.inputs(eqn), ins, strict=True) if not _compat.is_literal(v)]
     if not real or not all(real):
         return frozenset()
     return frozenset().union(*real)

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _layout, _plan
+from optax_adascale.gspmd import _plan, _types
 from optax_adascale.gspmd._interpreter import Interpreter
 from optax_adascale.gspmd._layout import Layout
 
@@ -33,11 +33,11 @@ def _shared(layout: Layout, value: Any) -> Any:
     JAX seeds a ``reduced`` output's gradient differently with and without ``jax.checkpoint`` in the
     program; this rule does not depend on it.
     """
-    reduced = _layout.reduced_axes(value) & layout.rows
+    reduced = _types.reduced_axes(value) & layout.rows
     if not reduced:
         return value
     n = float(np.prod([layout.size(a) for a in reduced]))
-    parts = _layout.partitions(value)
+    parts = _types.partitions(value)
 
     @jax.custom_vjp
     def share(v):
@@ -115,7 +115,7 @@ class Probed:
         leaves = list(cast)
         for i in self.hoisted:
             leaves[i] = jax.reshard(
-                cast[i], P(*(_layout.strip(e, data) for e in _layout.partitions(cast[i])), reduced=data)
+                cast[i], P(*(_types.strip(e, data) for e in _types.partitions(cast[i])), reduced=data)
             )
         return leaves
 

@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from optax_adascale import _compat
-from optax_adascale.gspmd import _layout
+from optax_adascale.gspmd import _types
 from optax_adascale.gspmd._layout import Layout
 
 
@@ -44,7 +44,7 @@ def row_free_outputs(jaxpr, rows: list[int]) -> list[bool]:
 
     def rule(eqn, ins):
         fact = (any(r for r, _ in ins), any(s for _, s in ins))
-        return [fact] * len(eqn.outvars)
+        return [fact] * len(_compat.outputs(eqn))
 
     outs = _compat.walk(jaxpr, [(False, True)] * len(jaxpr.constvars), facts, rule, literal=lambda _: (False, False))
     return [state and not on_rows for on_rows, state in outs]
@@ -72,7 +72,7 @@ class Split:
         rows = [
             i
             for i, x in enumerate(flat)
-            if i >= n_state and jnp.ndim(x) and data <= set(_layout.spec_axes(_layout.partitions(x)[0]))
+            if i >= n_state and jnp.ndim(x) and data <= set(_types.spec_axes(_types.partitions(x)[0]))
         ]
         if layout.k > 1:
             for i in rows:
@@ -96,7 +96,7 @@ class Split:
     def micro(self, x: Any) -> Any:
         """``(B, ...)`` as ``(k, B/k, ...)``: entry ``j`` of axis 0 holds the ``j``-th block of every shard's rows."""
         k, shards = self.layout.k, self.layout.shards
-        parts = _layout.partitions(x)
+        parts = _types.partitions(x)
         y = x.reshape(
             (shards, k, x.shape[0] // (shards * k)) + x.shape[1:], out_sharding=P(parts[0], None, None, *parts[1:])
         )
@@ -106,7 +106,7 @@ class Split:
         full = list(self.flat)
         for i, x in zip(self.rows, micro, strict=True):
             full[i] = x.reshape(
-                (x.shape[0] * x.shape[1],) + x.shape[2:], out_sharding=P(*_layout.partitions(self.flat[i]))
+                (x.shape[0] * x.shape[1],) + x.shape[2:], out_sharding=P(*_types.partitions(self.flat[i]))
             )
         if state is not None:
             full[: self.n_state] = state

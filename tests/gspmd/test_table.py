@@ -13,6 +13,7 @@ import optax_adascale
 from optax_adascale import _compat
 from optax_adascale.gspmd import _table
 from tests.gspmd import patterns
+from tests.helpers import primitive
 
 VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
 
@@ -25,7 +26,7 @@ def _version(text):
 def test_every_name_in_the_table_is_a_primitive_of_this_jax(name):
     first, gone = _table.ONLY_ON.get(name, (None, None))
     expected = (first is None or VERSION >= _version(first)) and (gone is None or VERSION < _version(gone))
-    found = _compat.primitive(name)
+    found = primitive(name)
     assert (found is not None) == expected, (name, jax.__version__, _table.ONLY_ON.get(name))
     if found is not None:
         assert found.name == name
@@ -37,7 +38,7 @@ def test_the_primitive_names_the_rules_compare_with_are_in_the_table():
     import re
 
     source = "".join(p.read_text() for p in pathlib.Path(_table.__file__).parent.glob("*.py"))
-    named = set(re.findall(r"primitive\.name (?:==|!=) \"([\w-]+)\"", source))
+    named = set(re.findall(r"primitive_name\(\w+\) (?:==|!=) \"([\w-]+)\"", source))
     named |= set(re.findall(r"\bname (?:==|!=) \"([\w-]+)\"", source)) - {"param_specs"}
     assert named and named <= set(_table.TABLE), named - set(_table.TABLE)
 
@@ -47,7 +48,7 @@ def test_the_primitive_names_the_rules_compare_with_are_in_the_table():
 )
 def test_names_no_supported_jax_binds_are_not_in_the_table(name):
     assert name not in _table.TABLE
-    assert _compat.primitive(name) is None, f"JAX {jax.__version__} binds '{name}' again: classify it"
+    assert primitive(name) is None, f"JAX {jax.__version__} binds '{name}' again: classify it"
 
 
 def test_an_unknown_primitive_on_a_parameter_gets_our_error_naming_it_and_the_nearest_class():
