@@ -63,7 +63,8 @@ def test_flax_example_step_swapping_only_value_and_grad_equals_nnx_and_trains(ki
     mesh = MESHES[kind]()
     ours, theirs = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
     rngs_ours, rngs_theirs = nnx.Rngs(7), nnx.Rngs(7)
-    optimizer = nnx.Optimizer(ours, optax_adascale.adascale_sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    # the update clock: the step checked below is its first, r·lr·g (the guarded τ clock's is tested in core/)
+    optimizer = nnx.Optimizer(ours, optax_adascale.adascale_sgd(0.1, momentum=0.9, clock="update"), wrt=nnx.Param)
     batch = make_batch()
 
     @nnx.jit

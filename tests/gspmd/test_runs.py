@@ -125,7 +125,8 @@ def global_run(mesh, specs, data_axes, k, dtype=jnp.float32, loss=loss_fn):
 
 def assert_same_run(ours, ref, rtol, params_tol=None):
     (params, log), (ref_params, ref_log) = ours, ref
-    assert np.all(ref_log[:, 0] > 1.2), "the reference must have gains well above 1 for the test to mean anything"
+    # (the first updates of SGD's guarded τ clock grow from 1 by 10 % an update: 1.1, 1.21, then above)
+    assert np.all(ref_log[2:, 0] > 1.2), "the reference must have gains well above 1 for the test to mean anything"
     np.testing.assert_allclose(log, ref_log, rtol=rtol)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(
