@@ -237,26 +237,29 @@ def trace(
         parts = _norms.leaf_dots(
             [pair for g, m in zip(leaves, olds, strict=True) for pair in ((g, m), (g, g), (m, m))], stacked=False
         )
-        read = jnp.all(jnp.stack([(x == x) | (x != x) for x in parts]))  # always True, after the reads
-        taken_after = read if taken is None else taken & read
         old_steps = _per_leaf(steps.last_step, updates)  # the last update moved the params by −η·v
-        new_m, out, weights, local = [], [], [], []
-        for i, (g, m, r, eta_old) in enumerate(zip(leaves, olds, gains, old_steps, strict=True)):
+        coefficients, local = [], []
+        for i, (r, eta_old) in enumerate(zip(gains, old_steps, strict=True)):
             keep, fresh = _powers(decay, r)
             weight = jnp.where(r == 1, jnp.float32(1), fresh / jnp.float32(one_minus))
             keep = jnp.where(r == 1, jnp.float32(decay), keep)
-            m_new = _keeps_state.kept(taken_after, _mix(weight, g, keep, m), m)
-            new_m.append(m_new)
-            out.append(_mix(weight, g, keep, m_new) if nesterov else m_new)
-            weights.append(weight)
+            coefficients.append((keep, weight))
             d, e, q = parts[3 * i], parts[3 * i + 1], parts[3 * i + 2]
             slope_l = keep * d + weight * e  # u·m'
             sq_new = keep * keep * q + 2 * keep * weight * d + weight * weight * e  # ‖m'‖²
             along = weight * slope_l + keep * sq_new if nesterov else sq_new  # v·m'
             eta = r * lr
             local.append(jnp.stack([eta_old * d, eta * slope_l, eta * eta * along]))
+        dots = sums(local)  # replicated (summed over model axes and ZeRO rows where those split the leaves)
+        read = jnp.all((dots == dots) | (dots != dots))  # always True, after the reads
+        taken_after = read if taken is None else taken & read
+        new_m, out, weights = [], [], []
+        for g, m, (keep, weight) in zip(leaves, olds, coefficients, strict=True):
+            m_new = _keeps_state.kept(taken_after, _mix(weight, g, keep, m), m)
+            new_m.append(m_new)
+            out.append(_mix(weight, g, keep, m_new) if nesterov else m_new)
+            weights.append(weight)
         new_steps = [r * lr for r in gains]
-        dots = sums(local)
         crossed, slope, reach = dots[0], dots[1], dots[2]
         curvature = (state.slope - crossed - state.noise) / jnp.where(state.reach > 0, state.reach, 1.0)
         measured = (state.reach > 0) & jnp.isfinite(curvature)
