@@ -214,8 +214,8 @@ def _update_row(jax, jnp, optax, optax_adascale, args, leaf, n_leaves) -> dict:
         {
             "sgd": sgd,
             "floor": sgd,
-            "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM),
-            "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True),
+            "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, clock="update"),
+            "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True, clock="update"),
         },
         "sgd",
     )
@@ -301,8 +301,8 @@ def microbatch_steps(jax, loss_fn, unroll, names) -> tuple[dict, dict]:
 
     all_txs = {
         "sgd": optax.sgd(LR, momentum=MOMENTUM),
-        "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM),
-        "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True),
+        "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, clock="update"),
+        "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True, clock="update"),
     }
     txs = {name: tx for name, tx in all_txs.items() if name in names}
     sgd_grad = _scan_mean_grad(jax, jax.numpy, loss_fn, K_MICRO, unroll)
@@ -393,7 +393,11 @@ def case_lm_vmap(jax, args) -> dict:
     sgd = optax.sgd(LR, momentum=MOMENTUM)
     txs = select(
         args,
-        {"sgd": sgd, "floor": sgd, "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, axis_name=AXIS)},
+        {
+            "sgd": sgd,
+            "floor": sgd,
+            "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, axis_name=AXIS, clock="update"),
+        },
         "sgd",
     )
 

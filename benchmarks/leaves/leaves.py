@@ -161,7 +161,11 @@ def case_update(jax, args) -> dict:
     rng = np.random.default_rng(0)
     grads = jax.tree.map(lambda p: rng.standard_normal((REPLICAS, *p.shape), np.float32), params0)
     sgd = optax.sgd(LR, momentum=0.9)
-    txs = {"sgd": sgd, "floor": sgd, "adascale": optax_adascale.adascale_sgd(LR, momentum=0.9, axis_name=AXIS)}
+    txs = {
+        "sgd": sgd,
+        "floor": sgd,
+        "adascale": optax_adascale.adascale_sgd(LR, momentum=0.9, axis_name=AXIS, clock="update"),
+    }
 
     def make(name, tx):
         def replica(params, state, g):
@@ -203,7 +207,10 @@ def case_cnn(jax, args) -> dict:
     x = rng.standard_normal((cfg["batch"], cfg["image"], cfg["image"], 3), np.float32)
     y = rng.integers(0, cfg["classes"], cfg["batch"]).astype(np.int32)
     one = jax.devices()[0]
-    txs = {"sgd": optax.sgd(LR, momentum=0.9), "adascale": optax_adascale.adascale_sgd(LR, momentum=0.9)}
+    txs = {
+        "sgd": optax.sgd(LR, momentum=0.9),
+        "adascale": optax_adascale.adascale_sgd(LR, momentum=0.9, clock="update"),
+    }
     sgd_grad = _scan_mean_grad(jax, jnp, loss_fn, k, 1)
     micro_grad = optax_adascale.value_and_grad(loss_fn, num_microbatches=k)
 
@@ -268,8 +275,8 @@ def case_dropin(jax, args) -> dict:
 
     txs = {
         "sgd": optax.sgd(LR, momentum=0.9),
-        "same_opt": optax_adascale.adascale_sgd(LR, momentum=0.9),
-        "dropin": optax_adascale.adascale_sgd(LR, momentum=0.9),
+        "same_opt": optax_adascale.adascale_sgd(LR, momentum=0.9, clock="update"),
+        "dropin": optax_adascale.adascale_sgd(LR, momentum=0.9, clock="update"),
     }
     drop_in = optax_adascale.value_and_grad(loss_fn, data_axes=AXIS)
 

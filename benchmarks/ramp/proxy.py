@@ -85,6 +85,22 @@ def batch_of(task: Task, data, key, scale: int):
     return jax.tree.map(lambda x: x[: scale * task.batch_size], flat)
 
 
+def _as_optax(inner_state):
+    """The τ clock's states as optax's (the momentum, Adam's moments and count): the proxy's small steps are optax's."""
+    from optax_adascale.core import _clock
+
+    def convert(x):
+        if isinstance(x, _clock.TraceState):
+            return optax.TraceState(trace=x.trace)
+        if isinstance(x, _clock.ScaleByAdamState):
+            return optax.ScaleByAdamState(count=x.count, mu=x.mu, nu=x.nu)
+        return x
+
+    return jax.tree.map(
+        convert, inner_state, is_leaf=lambda x: isinstance(x, (_clock.TraceState, _clock.ScaleByAdamState))
+    )
+
+
 @functools.cache
 def _branch(task: Task, scale: int):
     """A jitted ``(params, inner_state, lr, key, target, data) -> steps`` (``HORIZON + 1`` if never reached)."""
@@ -104,7 +120,7 @@ def _branch(task: Task, scale: int):
             reached = jnp.where((reached > HORIZON) & (loss <= target), step, reached)
             return params, state, step, reached
 
-        state = (inner_state, optax.EmptyState())
+        state = (_as_optax(inner_state), optax.EmptyState())
         more = lambda c: (c[2] < HORIZON) & (c[3] > HORIZON)  # noqa: E731
         params, _, _, reached = lax.while_loop(more, body, (params, state, jnp.int32(0), jnp.int32(HORIZON + 1)))
         return reached, task.evaluate(params, data)
