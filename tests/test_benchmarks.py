@@ -335,9 +335,11 @@ def test_scale_quality_smoke_writes_the_sweep_the_adam_table_and_the_diagnosis(t
     run_study("scale_quality", "--smoke", "--cache", tmp_path / "cells", "--results", results)
     text = results.read_text()
     section = text[text.index("<!-- scale-quality:start -->") : text.index("<!-- scale-quality:end -->")]
-    for task in ("quadratic", "lm_adamw"):  # a summary row per task and method, S = 4 against S = 2
-        assert sorted(r[1] for r in _table_rows(section, task) if len(r) == 6) == ["`paper`", "`tau`"], task
-    adam = [r for r in _table_rows(section, "lm_adamw") if len(r) == 7]  # AdaScale-AdamW against plain AdamW
+    # a summary row per task and method, S = 4 against S = 2 (`guarded`: SGD's default; AdamW's τ clock has no guard)
+    for task, methods in (("quadratic", ["`guarded`", "`paper`", "`tau`"]), ("lm_adamw", ["`paper`", "`tau`"])):
+        rows = [r for r in _table_rows(section, task) if len(r) == 7 and r[1] in ("`guarded`", "`paper`", "`tau`")]
+        assert sorted(r[1] for r in rows) == methods, task
+    adam = [r for r in _table_rows(section, "lm_adamw") if len(r) == 7 and r[2] in ("`paper`", "`tau`")]  # vs AdamW
     assert sorted(r[2] for r in adam) == ["`paper`", "`tau`"] and all(math.isfinite(float(r[6])) for r in adam)
     assert (tmp_path / "plots" / "sweep.png").stat().st_size > 0
 
