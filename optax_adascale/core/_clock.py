@@ -123,6 +123,14 @@ def _powers(decay: Any, gain: Array) -> tuple[Array, Array]:
     return jnp.exp(x), -jnp.expm1(x)
 
 
+def _trace_coefficients(decay: float, gain: Array) -> tuple[Array, Array]:
+    """``(β^r, (1 − β^r)/(1 − β))``: what an update worth ``r`` base steps keeps of the trace and adds of the
+    gradient; at ``r = 1`` exactly ``(β, 1)``, optax's ``trace``."""
+    keep, fresh = _powers(decay, gain)
+    one = gain == 1
+    return jnp.where(one, jnp.float32(decay), keep), jnp.where(one, jnp.float32(1), fresh / jnp.float32(1.0 - decay))
+
+
 def _wide(*leaves: Array, least: Any = jnp.float32) -> Any:
     """The leaves' dtypes promoted together and with ``least`` (``None``: no floor). Under the standard rules, which
     the user's ``jax_numpy_dtype_promotion="strict"`` refuses between float32 (the gain's powers) and bfloat16; what
@@ -201,7 +209,6 @@ def trace(
       [1.9]
     """
     plain = _keeps_state.trace(decay=decay, nesterov=nesterov, accumulator_dtype=accumulator_dtype)
-    one_minus = 1.0 - decay
     accumulator_dtype = None if accumulator_dtype is None else jax.dtypes.canonicalize_dtype(accumulator_dtype)
     if not guard:
         return _unguarded_trace(plain, decay, nesterov, accumulator_dtype)
@@ -240,9 +247,7 @@ def trace(
         old_steps = _per_leaf(steps.last_step, updates)  # the last update moved the params by −η·v
         coefficients, local = [], []
         for i, (r, eta_old) in enumerate(zip(gains, old_steps, strict=True)):
-            keep, fresh = _powers(decay, r)
-            weight = jnp.where(r == 1, jnp.float32(1), fresh / jnp.float32(one_minus))
-            keep = jnp.where(r == 1, jnp.float32(decay), keep)
+            keep, weight = _trace_coefficients(decay, r)
             coefficients.append((keep, weight))
             d, e, q = parts[3 * i], parts[3 * i + 1], parts[3 * i + 2]
             slope_l = keep * d + weight * e  # u·m'
@@ -281,14 +286,11 @@ def _unguarded_trace(
     plain, decay: float, nesterov: bool, accumulator_dtype: Any
 ) -> optax.GradientTransformationExtraArgs:
     """The τ clock's trace without the guard's measurements (state ``optax.TraceState``): 0.3's ``clock="tau"``."""
-    one_minus = 1.0 - decay
 
     def update_fn(updates, state, params=None, **extra_args):
         del params
         gain = jnp.asarray(required(extra_args, "optax_adascale.trace").gain, jnp.float32)
-        keep, fresh = _powers(decay, gain)
-        weight = jnp.where(gain == 1, jnp.float32(1), fresh / jnp.float32(one_minus))
-        keep = jnp.where(gain == 1, jnp.float32(decay), keep)
+        keep, weight = _trace_coefficients(decay, gain)
         new = lambda g, t: _mix(weight, g, keep, t)  # noqa: E731
         trace = _keeps_state.kept(
             extra_args.get(_keeps_state.TAKEN), jax.tree.map(new, updates, state.trace), state.trace
@@ -322,8 +324,9 @@ def gain_limit(inner_state: Any, learning_rate: Array, last_gain: Array) -> Arra
 
     The τ clock's update at gain ``r`` along a curvature ``h`` is stable while ``r·lr·h·(1 − β^r)/(1 − β) <
     2(1 + β^r)`` (``docs/noise_scale.md``); the guard keeps it within ``GUARD_MARGIN`` of that: the gain ``r`` that
-    solves ``lr·h·r(1 − β^r)/((1 − β)(1 + β^r)) = 2·GUARD_MARGIN``, at least 1. ``+inf`` where nothing was measured,
-    the learning rate is 0, or ``inner`` holds no :class:`TraceState`. A scalar bisection (no pass over gradients).
+    solves ``lr·h·r(1 − β^r)/((1 − β)(1 + β^r)) = 2·GUARD_MARGIN``, at least 1 (``+inf`` where nothing was measured
+    or the learning rate is 0), and at most ``GAIN_GROWTH·max(last_gain, 1)``; ``+inf`` where ``inner`` holds no
+    :class:`TraceState`. A scalar bisection (no pass over gradients).
     """
     found: list[TraceState] = []
     _find(inner_state, found)
