@@ -10,7 +10,7 @@ from jax import lax
 
 from optax_adascale.core import _axes, _checks
 from optax_adascale.core._norms import STAT_DTYPE, compute_dtype, leaf_sq_norm, leaf_sq_norms
-from optax_adascale.core._samples import MicrobatchStats
+from optax_adascale.core._samples import MicrobatchStats, returned_sq_norms
 from optax_adascale.core._varying import match_varying
 
 
@@ -130,10 +130,13 @@ def per_replica(
         grads = jax.tree.map(lambda s, p: (s / k).astype(p.dtype), grad_sum, params)
         sq_norms = jax.tree.map(lambda s: s / k, sq_sum)
         # The returned gradients' own norms, against which update checks the gradients it is given (a clip chained
-        # before AdaScale): at k = 1 they are sq_norms; else one more read of the gradients, no collective.
-        leaves, treedef = jax.tree.flatten(grads)
-        # k > 1: not measured (the check would cost one more pass over the gradient: 2.1× SGD's bytes on benchmarks/gpu)
-        measured = sq_norms if k == 1 else None
+        # before AdaScale): at k = 1 they are sq_norms; else the check's own reduction of them, which the compiler
+        # shares with the check's where update is given these gradients (no pass of its own).
+        if k == 1:
+            measured = sq_norms
+        else:
+            leaves, treedef = jax.tree.flatten(grads)
+            measured = treedef.unflatten(returned_sq_norms(leaves))
         if has_aux:
             losses, aux = values
             value = (jnp.mean(losses), (aux, state) if threaded else aux)
