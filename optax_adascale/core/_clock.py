@@ -241,9 +241,7 @@ def trace(
         # update (one collective where one is needed), each pair in its own fused multiply-reduce (no stacked copies
         # of state buffers), and the new trace, selected on a predicate that reads them, is written over the old one
         # in place (a donated state is not copied).
-        parts = _norms.leaf_dots(
-            [pair for g, m in zip(leaves, olds, strict=True) for pair in ((g, m), (g, g), (m, m))], stacked=False
-        )
+        parts = _norms.leaf_dots([pair for g, m in zip(leaves, olds, strict=True) for pair in ((g, m), (g, g), (m, m))])
         old_steps = _per_leaf(steps.last_step, updates)  # the last update moved the params by −η·v
         coefficients, local = [], []
         for i, (r, eta_old) in enumerate(zip(gains, old_steps, strict=True)):
@@ -332,8 +330,8 @@ def gain_limit(inner_state: Any, learning_rate: Array, last_gain: Array) -> Arra
     _find(inner_state, found)
     limit = jnp.full([], jnp.inf, jnp.float32)
     lr = jnp.asarray(learning_rate, jnp.float32)
+    grown = jnp.maximum(jnp.asarray(last_gain, jnp.float32), 1.0) * GAIN_GROWTH
     for node in found:
-        grown = jnp.maximum(jnp.asarray(last_gain, jnp.float32), 1.0) * GAIN_GROWTH
         limit = jnp.minimum(limit, jnp.minimum(_largest_gain(node, lr, 2.0 * GUARD_MARGIN), grown))
     return limit
 

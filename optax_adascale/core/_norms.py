@@ -101,55 +101,18 @@ def leaf_sq_norms(leaves: Sequence[Array]) -> list[Array]:
     return out  # type: ignore[return-value]
 
 
-def leaf_dots(pairs: Sequence[tuple[Array, Array]], *, stacked: bool = True) -> list[Array]:
-    """``Re Σ x·conj(y)`` of each pair (float32, computed in the pair's compute dtype), the small pairs in few
-    reductions: bucketed, padded and stacked as :func:`leaf_sq_norms` does. ``stacked=False``: each pair in its own
-    fused multiply-reduce (no stacked copies: what the τ clock's guard uses, its pairs read state buffers whose copies
-    would cost memory: 13 % of the drop-in's step on ``tests/gspmd/test_cost.py``'s MLP)."""
-    out: list[Array | None] = [None] * len(pairs)
-    buckets: dict[Any, list[int]] = {}
-
-    def dtype_of(x: Array, y: Array) -> Any:
-        return compute_dtype(jnp.promote_types(jnp.result_type(x), jnp.result_type(y)))
-
-    def products(x: Array, y: Array) -> Array:
-        if jnp.iscomplexobj(x) or jnp.iscomplexobj(y):
-            return jnp.real(x) * jnp.real(y) + jnp.imag(x) * jnp.imag(y)
-        return x * y
-
-    for i, (x, y) in enumerate(pairs):
-        size, dtype = int(jnp.size(x)), dtype_of(x, y)
-        # reduced alone: a large leaf, a scalar, and an array split on an Explicit mesh axis (jnp.ravel refuses it)
-        if not stacked or size > SMALL_LEAF or size <= 1 or _split_explicitly(x) or _split_explicitly(y):
-            out[i] = jnp.sum(products(x.astype(dtype), y.astype(dtype))).astype(STAT_DTYPE)
-            continue
-        width = 1 << (size - 1).bit_length()
-        axes = (_compat.varying_axes(x), _compat.varying_axes(y))
-        buckets.setdefault((dtype, width, axes), []).append(i)
-    for (dtype, width, _), members in buckets.items():
-        if len(members) == 1:
-            (i,) = members
-            out[i] = jnp.sum(products(pairs[i][0].astype(dtype), pairs[i][1].astype(dtype))).astype(STAT_DTYPE)
-            continue
-        rows = [
-            jnp.stack(
-                [
-                    jnp.pad(jnp.ravel(pairs[i][k].astype(dtype)), (0, width - int(jnp.size(pairs[i][k]))))
-                    for i in members
-                ]
-            )
-            for k in (0, 1)
-        ]
-        sums = jnp.sum(products(rows[0], rows[1]), axis=1).astype(STAT_DTYPE)
-        for j, i in enumerate(members):
-            out[i] = sums[j]
-    return out  # type: ignore[return-value]
-
-
-def _split_explicitly(x: Array) -> bool:
-    """Whether ``x``'s type names a mesh axis it is split on (sharding in types: an Explicit mesh axis)."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    return spec is not None and any(axis is not None for axis in spec)
+def leaf_dots(pairs: Sequence[tuple[Array, Array]]) -> list[Array]:
+    """``Re Σ x·conj(y)`` of each pair (float32, computed in the pair's compute dtype), each in its own fused
+    multiply-reduce. Not stacked as :func:`leaf_sq_norms` stacks small leaves: the τ clock's guard, its one caller,
+    reads state buffers whose stacked copies would cost memory (13 % of the drop-in's step on
+    ``tests/gspmd/test_cost.py``'s MLP)."""
+    out = []
+    for x, y in pairs:
+        dtype = compute_dtype(jnp.promote_types(jnp.result_type(x), jnp.result_type(y)))
+        x, y = x.astype(dtype), y.astype(dtype)
+        products = jnp.real(x) * jnp.real(y) + jnp.imag(x) * jnp.imag(y) if jnp.iscomplexobj(x) else x * y
+        out.append(jnp.sum(products).astype(STAT_DTYPE))
+    return out
 
 
 def low_precision(x: Array) -> bool:

@@ -142,7 +142,7 @@ def _base_steps(shape: Shape, stats: _Statistics, lr: Array, grads: Any, state: 
     gain: Any = stats.gain
     last: Any = state.gain * state.base_lr
     if groups.labels is not None:
-        leaves, treedef = jax.tree.flatten(grads)
+        treedef = jax.tree.structure(grads)
         gain = treedef.unflatten([stats.group_gains[g] for g in groups.leaf_group])
         last_gains = groups.unpack(state.group_gains)
         last = treedef.unflatten([last_gains[g] * state.base_lr for g in groups.leaf_group])
