@@ -88,16 +88,17 @@ def user_value_and_grad(loss, k: int, shards: int = 4, auto: bool = False, unrol
     return fn
 
 
-def make_step(variant: str, model: models.Model, k: int, shards: int = 4, unroll: int | bool = 1):
+def make_step(
+    variant: str, model: models.Model, k: int, shards: int = 4, unroll: int | bool = 1, adascale_clock: str = "update"
+):
     """``(params, opt_state, *batch) -> (params, opt_state, loss)`` and its optimizer; ``unroll``: the micro-batch
-    loop's (the drop-in's and the user's own accumulation)."""
+    loop's (the drop-in's and the user's own accumulation). ``adascale_clock``: ``"update"`` (optax.sgd's arithmetic,
+    so the ratio is the drop-in's own cost) or ``"tau"`` (``adascale_sgd``'s default, the guarded τ clock)."""
     loss = model.loss
     if variant == "sgd":
         tx = optax.sgd(0.1, momentum=0.9)
     else:
-        tx = optax_adascale.adascale_sgd(
-            0.1, momentum=0.9, clock="update"
-        )  # optax.sgd's arithmetic: the drop-in's cost
+        tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, clock=adascale_clock)
     # param_specs (0.4) keeps an Auto mesh's layout; an older optax_adascale (a "before" run) has no such keyword
     takes_specs = "param_specs" in inspect.signature(optax_adascale.value_and_grad).parameters
     specs = {"param_specs": model.specs} if model.auto and takes_specs else {}
@@ -133,9 +134,17 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def measure(
-    model: models.Model, k: int, *, mesh, rounds: int = 3, time_steps: int = 0, clock: str = "wall"
+    model: models.Model,
+    k: int,
+    *,
+    mesh,
+    rounds: int = 3,
+    time_steps: int = 0,
+    clock: str = "wall",
+    adascale_clock: str = "update",
 ) -> dict[str, Any]:
-    """Compile the three variants (alternately, ``rounds`` times) and read their facts; time ``time_steps``."""
+    """Compile the three variants (alternately, ``rounds`` times) and read their facts; time ``time_steps``.
+    ``adascale_clock``: AdaScale's clock in the drop-in and same-opt variants (:func:`make_step`)."""
     shards = mesh.shape["data"]
     with jax.set_mesh(mesh):
         params, batch = model.place(mesh)
@@ -144,7 +153,7 @@ def measure(
         states = {}
         for r in range(rounds):
             for v in VARIANTS:
-                step, tx = make_step(v, model, k, shards)
+                step, tx = make_step(v, model, k, shards, adascale_clock=adascale_clock)
                 state = jax.jit(tx.init)(params)
                 states[v] = state
                 jitted = jax.jit(step, donate_argnums=(0, 1))
