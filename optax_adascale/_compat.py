@@ -278,6 +278,16 @@ def walk_back(jaxpr: Any, facts: Any, rule: Any, join: Any, empty: Any) -> list[
     return [env.get(v, empty) for v in jaxpr.invars]
 
 
+def primitives_in(jaxpr: Any) -> frozenset[str]:
+    """The names of every primitive a jaxpr binds, in its equations and in the jaxprs they carry."""
+    names: set[str] = set()
+    for eqn in jaxpr.eqns:
+        names.add(primitive_name(eqn))
+        for inner, _ in sub_jaxprs(eqn):
+            names |= primitives_in(inner)
+    return frozenset(names)
+
+
 # ---- an equation's own fields
 
 
@@ -521,6 +531,25 @@ def binds_on_reduced(name: str) -> bool:
     dangerous"); from 0.12 it reads ``spec.partitions``. Where it does not, the interpreter applies the view per copy
     (``_local``), as JAX's types imply."""
     return name != "reshape" or jax.__version_info__ >= (0, 12)
+
+
+# The newest JAX release CI ran the whole suite on (``constraints.txt`` pins it for the README's test command).
+NEWEST_TESTED_JAX = (0, 12, 1)
+
+
+def untested_jax() -> str | None:
+    """The installed JAX's version where it is newer than :data:`NEWEST_TESTED_JAX`, else ``None``."""
+    return jax.__version__ if tuple(jax.__version_info__[:3]) > NEWEST_TESTED_JAX else None
+
+
+def auto_cast_keeps_partials() -> bool:
+    """Whether a parameter's copy (typed ``reduced``) cast into Auto axes (``jax.sharding.auto_axes``) gets back, as
+    its cotangent, each device's partial of its own rows. Up to JAX 0.12.0 the cast's transpose lowers to a sharding
+    constraint ``unreduced`` and the partitioner leaves each device's partial sum where it was computed; JAX 0.12.1
+    casts the Auto-typed (replicated) cotangent to ``unreduced`` by keeping it on one device and zeros elsewhere (the
+    sum, so the gradient, is unchanged; every per-device partial is wrong). ``tests/gspmd/test_patterns.py`` shows both
+    sides in plain JAX."""
+    return jax.__version_info__ < (0, 12, 1)
 
 
 def cast_axes(eqn: Any) -> tuple[str, ...]:

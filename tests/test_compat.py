@@ -421,3 +421,21 @@ def test_sharding_type_error_is_what_jax_raises_for_a_reshape_its_explicit_types
         x = jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P("data")))
         with pytest.raises(_compat.sharding_type_error(), match="reshape is not supported"):
             jax.jit(lambda x: x.T.reshape(-1)).trace(x)
+
+
+def test_untested_jax_is_a_release_newer_than_the_newest_tested(monkeypatch):
+    assert _compat.untested_jax() is None or tuple(jax.__version_info__[:3]) > _compat.NEWEST_TESTED_JAX
+    monkeypatch.setattr(jax, "__version_info__", (*_compat.NEWEST_TESTED_JAX[:2], _compat.NEWEST_TESTED_JAX[2] + 1))
+    monkeypatch.setattr(jax, "__version__", "9.9.9")
+    assert _compat.untested_jax() == "9.9.9"
+    monkeypatch.setattr(jax, "__version_info__", _compat.NEWEST_TESTED_JAX)
+    assert _compat.untested_jax() is None
+
+
+def test_primitives_in_lists_the_primitives_of_nested_jaxprs():
+    def f(x):
+        y = jax.lax.scan(lambda c, _: (jnp.sin(c), None), x, length=2)[0]
+        return jax.jit(lambda z: z @ z)(y)
+
+    names = _compat.primitives_in(jax.make_jaxpr(f)(jnp.ones((2, 2))).jaxpr)
+    assert {"scan", "sin", "dot_general"} <= names

@@ -20,6 +20,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import run_example, scratch_dir
 
@@ -253,20 +254,35 @@ def test_elastic_goodput_step_time_model_is_labelled_synthetic(goodput_stdout):
 
 
 @elastic_goodput
-def test_elastic_goodput_s_changes_and_grows_with_the_noise_scale(goodput_stdout):
+def test_elastic_goodput_each_change_of_s_follows_the_measured_noise_scale(goodput_stdout):
+    """What the advisor promises, not a path: ``choose_scale`` is the argmax of goodput at the noise scale measured
+    then (no memory of its own: the example holds each choice for K = 10 iterations), so at every change S is the
+    argmax recomputed here from the printed noise scale, and S moves the way the noise scale moved (under
+    t(S) = t0 + t1·S the best S is non-decreasing in B_noise: goodput(S₂)/goodput(S₁) grows with B for S₂ > S₁).
+    Whether the measured noise scale grows monotonically over a run is the numerics' business (JAX 0.12.1's went
+    2 → 8 → 16 → 8 → 16), not asserted."""
+    from optax_adascale import goodput
+
     phases = _goodput_rows(goodput_stdout.splitlines(), ["tau", "start", "S"], GOODPUT_PHASE)
-    starts = [float(m[1]) for m in phases]
     scales = [int(m[2]) for m in phases]
     noise = [float(m[5]) if m[5] != "n/a" else float("nan") for m in phases]
+    iterations = [int(m[3]) for m in phases]
     # Before the first update there are no statistics: the smallest candidate, no ratio, no noise scale.
-    assert starts[0] == 0.0 and scales[0] == min(GOODPUT_CANDIDATES) and phases[0][7] == phases[0][5] == "n/a"
-    # After it, the advisor's choices: at least two different S, growing over τ with the noise scale.
-    assert len(set(scales[1:])) >= 2, scales
-    assert scales == sorted(scales) and starts == sorted(starts), (scales, starts)
-    assert noise[1:] == sorted(noise[1:]) and noise[-1] > noise[1], noise
-    assert all(s in GOODPUT_CANDIDATES for s in scales)
-    # The chosen S is the advisor's argmax, so at its choice it is at least as good as the best fixed S.
-    assert all(float(m[7][:-1]) >= 1.0 for m in phases[1:])
+    assert float(phases[0][1]) == 0.0 and scales[0] == min(GOODPUT_CANDIDATES) and phases[0][7] == phases[0][5] == "n/a"
+    assert len(set(scales[1:])) >= 2, scales  # S does change with what is measured
+    assert [float(m[1]) for m in phases] == sorted(float(m[1]) for m in phases)
+    model = goodput.StepTimeModel.linear(GOODPUT_T0, GOODPUT_T1)
+    candidates = np.array(GOODPUT_CANDIDATES, float)
+    for i in range(1, len(phases)):
+        b = noise[i]
+        assert np.isfinite(b) and b > 0, phases[i][0]
+        rates = np.asarray(goodput.gain(candidates, b, 1.0)) / model(candidates)  # σ̄²/μ̄² = B: μ̄² = 1 loses nothing
+        close = np.flatnonzero(rates >= rates.max() * (1 - 2e-3))  # the printed B has 2 decimals: near-ties either way
+        assert scales[i] in candidates[close], (scales[i], b, rates)
+        assert float(phases[i][7][:-1]) >= 1.0  # at its choice, at least as good as the best fixed S
+        if i >= 2 and scales[i] != scales[i - 1]:
+            assert (scales[i] > scales[i - 1]) == (b > noise[i - 1]), (scales, noise)
+    assert all(n % 10 == 0 for n in iterations[:-1]), iterations  # a choice holds for K iterations at least
     for m in phases:  # the mean gain of a phase lies in [1, S]
         assert 1.0 <= float(m[4]) <= int(m[2])
 

@@ -13,6 +13,25 @@ def test_readme_opens_with_a_command_for_the_main_job_and_one_for_the_tests():
     assert tests.startswith("pip install") and tests.endswith("pytest")
 
 
+def test_readmes_test_command_installs_the_versions_ci_last_verified():
+    """The test command takes constraints.txt, whose newest JAX is the one the drop-in's warning names as tested
+    (optax_adascale._compat.NEWEST_TESTED_JAX), and whose Python 3.11 pins are the oldest JAX the package claims."""
+    from optax_adascale import _compat
+
+    tests = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1).splitlines()[1]
+    assert "-c constraints.txt" in tests
+    pins = {}
+    for line in (README.parent / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement, _, marker = line.partition(";")
+            name, version = requirement.strip().split("==")
+            pins[(name, marker.strip())] = version
+    newest = ".".join(map(str, _compat.NEWEST_TESTED_JAX))
+    assert pins[("jax", 'python_version >= "3.12"')] == pins[("jaxlib", 'python_version >= "3.12"')] == newest
+    oldest = pins[("jax", 'python_version < "3.12"')]
+    assert f'"jax>={oldest}' in (README.parent / "pyproject.toml").read_text()
+
+
 def test_readme_usage_example_trains_until_the_budget(capsys):
     text = README.read_text()
     usage = text[text.index("## Usage") :]

@@ -21,15 +21,17 @@ loss's ``with_sharding_constraint``\\ s lose those axes (``_rewrite``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from optax_adascale import _compat
 from optax_adascale.core import _checks, _microbatch
 from optax_adascale.core._samples import MicrobatchStats
-from optax_adascale.gspmd import _batch, _convert, _global, _mesh, _nnx, _specs, _split
+from optax_adascale.gspmd import _batch, _convert, _global, _mesh, _nnx, _selfcheck, _specs, _split
 from optax_adascale.gspmd._call import Call
 from optax_adascale.gspmd._layout import Layout
 
@@ -167,6 +169,7 @@ def value_and_grad(
     """
     _checks.check_static_int("num_microbatches", num_microbatches)
     _checks.check_bool("has_aux", has_aux)
+    _warn_untested_jax()
     argnums, nnx_filters = _nnx.split_argnums(argnums)
     call = Call.of(argnums, state_argnum, has_aux)
     if data_axes is None:
@@ -198,6 +201,21 @@ def value_and_grad(
         )
 
     return dispatch
+
+
+@functools.cache
+def _warn_untested_jax() -> None:
+    """Once per process: the drop-in's statistics rest on JAX's sharding rules, checked on the JAX releases CI ran."""
+    version = _compat.untested_jax()
+    if version is not None:
+        tested = ".".join(map(str, _compat.NEWEST_TESTED_JAX))
+        _checks.warn(
+            f"optax_adascale.value_and_grad: JAX {version} is newer than the newest release this version of "
+            f"optax_adascale was tested on ({tested}). Its per-copy statistics rest on JAX's sharding rules, which "
+            "a release can change: the first step traced on each mesh layout probes the rules of "
+            f"{', '.join(sorted(set(_selfcheck.PROBED.values())))} (a wrong statistic raises a ValueError naming the "
+            f"primitive), not those of every primitive. To be sure, install jax=={tested} jaxlib=={tested}."
+        )
 
 
 def _global_batch(loss_fn, call, data_axes, num_microbatches, has_aux, mesh, param_specs, arg_specs, unroll):

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_adascale import _compat
 from optax_adascale.core._samples import MicrobatchStats
-from optax_adascale.gspmd import _copies, _rewrite, _split, _stats, _types
+from optax_adascale.gspmd import _copies, _rewrite, _selfcheck, _split, _stats, _types
 from optax_adascale.gspmd._layout import Layout
 
 
@@ -47,6 +48,7 @@ def run(loss_fn, has_aux, layout: Layout, params, args, trace=None, unroll=1, n_
     loss = _rewrite.Probed(loss_fn, treedef, fsdp, layout, has_aux, trace)
     split = _split.Split.of(layout, args, n_state)
     loss.prepare(leaves, args if layout.k == 1 else split.first_avals())
+    _selfcheck.verify(layout, _compat.primitives_in(loss.closed.jaxpr))  # JAX's rules for them, probed once
     entry = loss.entry(cast)
 
     def one(batch):

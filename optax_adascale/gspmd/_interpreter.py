@@ -161,8 +161,13 @@ class Interpreter:
                 return out
         if kind is Kind.GROUPED and rows:
             return _local.by_groups(self.layout, eqn, invals)
-        if self.convert and rows and _auto.looks_up(eqn, invals):  # GSPMD's embedding lookup: the rows' partials
-            return _auto.gather_indexed(self.layout, eqn, invals)
+        if self.convert and rows and _auto.looks_up(eqn, invals):
+            # GSPMD's embedding lookup forward, the gather's own VJP per data shard backward. Not JAX's transpose
+            # inside auto_axes: from JAX 0.12.1 it scatters into an Auto-replicated table (the scatter-add takes
+            # the operand's sharding as out_sharding), whose cast to unreduced leaves the whole sum on one device
+            # (the gradient exact, every per-copy partial wrong).
+            forward = lambda xs: _auto.gather_indexed(self.layout, eqn, xs)  # noqa: E731
+            return _local.local(self.layout, kind, eqn, invals, forward=forward)
         return _local.local(self.layout, kind, eqn, invals)
 
     def opaque(self, eqn, invals, lineage=None):
@@ -233,8 +238,10 @@ class Interpreter:
             # traced on the Auto mesh and run on the Explicit one, the cast is the hint a constraint is
             if self.convert:
                 return _auto.hint(self.layout, x, target.spec)
+            if _types.reduced_axes(x) and not _compat.auto_cast_keeps_partials():
+                raise ValueError(_local.copy_on_auto_axes(self.layout))
             out = self.rebind(eqn, invals)
-            if _types.reduced_axes(x):  # a copy on Auto axes: JAX transposes a grouped matmul of it wrongly
+            if _types.reduced_axes(x):  # a copy on Auto axes: JAX 0.10-0.12.0 transposes a grouped matmul of it wrongly
                 self.in_auto[id(out)] = out  # kept alive: its id names it while the loss is evaluated
             return out
         reduced = _types.reduced_axes(x)

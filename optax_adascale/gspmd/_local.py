@@ -33,12 +33,15 @@ from optax_adascale.gspmd._layout import Layout
 from optax_adascale.gspmd._table import Kind
 
 
-def local(layout: Layout, kind: Kind, eqn, invals):
+def local(layout: Layout, kind: Kind, eqn, invals, forward=None):
     """``eqn`` on plain values; its VJP applied to each device's partial cotangent (see the module docstring).
 
     With only ``reduced`` (replicated) inputs the outputs stay ``reduced``; with an input sharded over the data
-    axes the equation must be local to the rows (its outputs sharded over them too).
+    axes the equation must be local to the rows (its outputs sharded over them too). ``forward``: how ``eqn`` runs
+    on the plain values (default: bound as traced; a lookup on a converted Auto mesh: GSPMD's, ``_auto``); the
+    backward pass is the equation's own VJP per data shard either way.
     """
+    forward = forward or (lambda xs: _rebind.rebind(layout, eqn, xs))
     data = frozenset(layout.data)
     red = [bool(_types.reduced_axes(x)) for x in invals]
     mixing = any(not r and data & _types.axes_of(x) for x, r in zip(invals, red, strict=True))
@@ -47,14 +50,14 @@ def local(layout: Layout, kind: Kind, eqn, invals):
         mixed = _rows.mixes(kind, eqn, rows)
         if mixed:
             raise ValueError(_not_local(eqn, mixed))
-    plain_out = _rebind.rebind(layout, eqn, [_types.plain(x) if r else x for x, r in zip(invals, red, strict=True)])
-    outs = list(plain_out) if _compat.multiple_results(eqn) else [plain_out]
+    if not any(r and jnp.issubdtype(x.dtype, jnp.inexact) for x, r in zip(invals, red, strict=True)):
+        plain_out = forward([_types.plain(x) if r else x for x, r in zip(invals, red, strict=True)])
+        outs = list(plain_out) if _compat.multiple_results(eqn) else [plain_out]
+    else:  # JAX never differentiates the forward itself (its JVP rule may need shardings it cannot infer)
+        outs = _LocalVJP(layout, kind, eqn, red, keep_reduced=not mixing, forward=forward)(*invals)
     if mixing and any(isinstance(o, jax.Array) and jnp.ndim(o) and not data <= _types.axes_of(o) for o in outs):
         raise ValueError(_not_local(eqn, "its output is not sharded over the data axes"))
-    if not any(r and jnp.issubdtype(x.dtype, jnp.inexact) for x, r in zip(invals, red, strict=True)):
-        return plain_out
-    result = _LocalVJP(layout, kind, eqn, red, keep_reduced=not mixing)(*invals)
-    return result if _compat.multiple_results(eqn) else result[0]
+    return outs if _compat.multiple_results(eqn) else outs[0]
 
 
 def by_rows(layout: Layout, eqn, invals) -> Any:
@@ -172,15 +175,28 @@ def _not_grouped(eqn, lhs_parts, rhs_parts, layout: Layout) -> str:
     )
 
 
+def copy_on_auto_axes(layout: Layout) -> str:
+    return (
+        f"value_and_grad(data_axes={layout.data_spec!r}): loss_fn casts a parameter to Auto axes "
+        f"(jax.sharding.auto_axes) on this Explicit mesh. From JAX 0.12.1 ({jax.__version__} here) the cast's "
+        "transpose returns the parameter's gradient whole on one device and zeros on the others: the gradient is "
+        "right, but the per-copy statistics (each data shard's own gradient) would be wrong. Write that step the "
+        f"Explicit way, without auto_axes: the operation with out_sharding=P({layout.data_spec!r}, None) where JAX "
+        "asks for it (x.at[idx].get(out_sharding=...), jnp.einsum(..., out_sharding=...), lax.ragged_dot(..., "
+        "out_sharding=...)); or build the mesh with Auto axes (jax.sharding.Mesh) and pass param_specs=, where the "
+        "drop-in makes GSPMD's decisions itself."
+    )
+
+
 def grouped_on_auto_axes(layout: Layout) -> str:
     return (
         f"value_and_grad(data_axes={layout.data_spec!r}): loss_fn casts a parameter to Auto axes "
-        "(jax.sharding.auto_axes) and applies a grouped matmul (lax.ragged_dot) to it there. JAX 0.10-0.12 transposes "
-        "that matmul on Auto axes into wrong per-device partials for a parameter's copy (jax.value_and_grad of the "
-        "same loss with the parameter typed reduced disagrees with it), so the gradient and the statistics would be "
-        f"wrong. Call lax.ragged_dot(tokens, experts, group_sizes, out_sharding=P({layout.data_spec!r}, None)) on the "
-        "Explicit mesh instead, without auto_axes: the drop-in runs it on each device's rows, exactly (on an "
-        "Explicit mesh JAX itself cannot differentiate it)."
+        "(jax.sharding.auto_axes) and applies a grouped matmul (lax.ragged_dot) to it there. JAX 0.10-0.12.0 "
+        "transposes that matmul on Auto axes into wrong per-device partials for a parameter's copy "
+        "(jax.value_and_grad of the same loss with the parameter typed reduced disagrees with it), so the gradient "
+        "and the statistics would be wrong. Call lax.ragged_dot(tokens, experts, group_sizes, "
+        f"out_sharding=P({layout.data_spec!r}, None)) on the Explicit mesh instead, without auto_axes: the drop-in "
+        "runs it on each device's rows, exactly (on an Explicit mesh JAX itself cannot differentiate it)."
     )
 
 
@@ -209,12 +225,13 @@ class _LocalVJP:
     data-sharded input's go back in place; a replicated one's are summed.
     """
 
-    def __init__(self, layout: Layout, kind: Kind, eqn, red, keep_reduced):
+    def __init__(self, layout: Layout, kind: Kind, eqn, red, keep_reduced, forward):
         self.layout, self.kind, self.eqn, self.red, self.keep_reduced = layout, kind, eqn, red, keep_reduced
+        self.forward = forward
 
     def _forward(self, *xs):
         plain = [_types.plain(x) if r else x for x, r in zip(xs, self.red, strict=True)]
-        outs = _rebind.rebind(self.layout, self.eqn, plain)
+        outs = self.forward(plain)
         outs = list(outs) if _compat.multiple_results(self.eqn) else [outs]
         if self.keep_reduced:
             outs = [_copies.as_reduced(o, self.layout.rows) for o in outs]
@@ -282,8 +299,10 @@ def _on_devices(layout: Layout, values: list[Any]) -> bool:
 
 
 def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: list[bool]) -> list[Any]:
-    """The VJP on each device's own rows, in a ``shard_map`` manual over the data axes (no collective: each data
-    shard's rows, partial cotangent and parameter copy are on its devices)."""
+    """The VJP on each device's own rows, in a ``shard_map`` manual over every axis (no collective: each data shard's
+    rows, partial cotangent and parameter copy are on its devices, whole along the other axes, :func:`_on_devices`).
+    Manual over the data axes alone, a primitive whose sharding JAX cannot infer on the remaining Explicit axes
+    (``ragged_dot_general`` without ``out_sharding``) would fail there."""
     data, entry = frozenset(layout.data), layout.data_spec
 
     def row_spec(x: Any) -> P | None:
@@ -314,7 +333,12 @@ def _per_device_vjp(layout: Layout, vjp, plain: list[Any], cts: list[Any], red: 
         return [g if spec != P(entry) else g[None] for g, spec in zip(grads, out_specs, strict=True)]
 
     grads = jax.shard_map(
-        body, mesh=layout.mesh, in_specs=tuple(specs), out_specs=out_specs, axis_names=data, check_vma=False
+        body,
+        mesh=layout.mesh,
+        in_specs=tuple(specs),
+        out_specs=out_specs,
+        axis_names=frozenset(layout.axis_names),
+        check_vma=False,
     )(*args)
     out = []
     for g, x, r, spec in zip(grads, plain, red, out_specs, strict=True):

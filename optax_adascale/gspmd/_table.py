@@ -77,12 +77,13 @@ _NAMES = {
     Kind.BROADCAST: "broadcast_in_dim",
     Kind.SUM: "reduce_sum",
     Kind.ELEMENTWISE: (
-        "abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e bitcast_convert_type cbrt "
-        "ceil clamp clz complex conj cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma "
-        "igamma_grad_a igammac imag integer_pow is_finite le le_to lgamma log log1p log2 logistic lt lt_to max min mul "
-        "ne neg nextafter not one_minus_square or polygamma polynomial population_count pow real reduce_precision "
-        "regularized_incomplete_beta rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical "
-        "sign sin sinh sqrt square sub tan tanh xor zeta"
+        "abs acos acospi acosh add add_any and asin asinpi asinh atan atan2 atan2pi atanpi atanh bessel_i0e "
+        "bessel_i1e bitcast_convert_type cbrt ceil clamp clz complex conj cos cospi cosh digamma div eq erf erf_inv "
+        "erfc exp exp2 exp2m1 expm1 floor fma fmuladd ge gt igamma igamma_grad_a igammac imag integer_pow is_finite "
+        "le le_to lgamma log log1p log2 log2p1 logistic lt lt_to max min mul ne neg nextafter not one_minus_square or "
+        "polygamma polynomial population_count pow real reduce_precision regularized_incomplete_beta rem round rsqrt "
+        "select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinpi sinh sqrt square sub tan "
+        "tanpi tanh xor zeta"
     ),
     Kind.CONTRACTION: "dot_general",
     Kind.REDUCTION: "reduce reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin",
@@ -124,8 +125,28 @@ ONLY_ON: dict[str, tuple[str | None, str | None]] = {
     "log2": ("0.11", None),
     "one_minus_square": ("0.11", None),  # what tanh's derivative binds from 0.11
     "polynomial": ("0.12", None),  # erf's series from 0.12
+    # JAX 0.12.1's new elementwise functions (jax.lax.*pi, exp2m1, log2p1; fma and fmuladd: a·b + c, one rounding
+    # or the compiler's choice): element i of the output reads element i of each operand.
+    **dict.fromkeys(
+        "acospi asinpi atan2pi atanpi cospi exp2m1 fma fmuladd log2p1 sinpi tanpi".split(), ("0.12.1", None)
+    ),  # noqa: E501
 }
 
+
+# JAX releases that changed a rule of a primitive this table knows (not its name), and what the drop-in does about it.
+# Each fact is read through ``_compat`` (one function) and shown on both sides of its gate in plain JAX by a test.
+#
+# * JAX 0.12.1, ``gather``/``scatter-add`` and the cast into Auto axes (``reshard`` to an Auto mesh, the entry of
+#   ``jax.sharding.auto_axes``): the gather's transpose now scatters with ``out_sharding=`` the operand's sharding
+#   (replicated, on Auto axes), and the transpose of the cast turns that Auto value into ``unreduced`` by keeping it
+#   on one device and zeros elsewhere (``_compat.auto_cast_keeps_partials``). The gradient is unchanged; every
+#   per-device partial of a parameter's copy that passed through Auto axes is wrong. The Auto mesh's embedding lookup
+#   (``_auto.gather_indexed``) therefore runs GSPMD's lookup forward and the gather's own VJP per data shard backward
+#   (``_local``), on every JAX; a copy cast into ``auto_axes`` on an Explicit mesh is refused from 0.12.1
+#   (``_local.copy_on_auto_axes``; exact before). ``gspmd/_selfcheck.py`` probes these rules at run time.
+# * JAX 0.12.1, ``ragged_dot_general``: its transpose of a copy on Auto axes gives the right gradient (it did not on
+#   0.10-0.12.0, where ``_local.grouped_on_auto_axes`` refuses it); from 0.12.1 the cast's rule above refuses it.
+# * JAX 0.12.1, ``jax.lax``: eleven new elementwise functions (``ONLY_ON`` above).
 
 # Primitives a public JAX function binds that the drop-in refuses on a parameter's copy: the reason and the way out.
 # ``tests/gspmd/test_sweep.py`` checks that every primitive the public differentiable functions bind is in TABLE or

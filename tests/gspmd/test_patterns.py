@@ -227,10 +227,13 @@ def _auto_axes_ragged_data():
     return rng.normal(size=(8, 8, 6)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32)
 
 
-def test_jax_transposes_a_ragged_dot_of_a_reduced_parameter_on_auto_axes_wrongly():
-    """The reason for the refusal below, in plain JAX: the gradient of a parameter typed ``reduced`` over the data
-    axes, summed from its ``unreduced`` partials, differs from ``jax.grad``'s. When this fails, JAX has fixed it:
-    drop the refusal (``_interpreter.Interpreter.array``, ``in_auto``)."""
+AUTO_CAST_KEEPS_PARTIALS = jax.__version_info__ < (0, 12, 1)  # _compat.auto_cast_keeps_partials, read independently
+
+
+def test_jax_transposes_a_ragged_dot_of_a_reduced_parameter_on_auto_axes_wrongly_before_0_12_1():
+    """The reason for the grouped matmul's refusal on JAX 0.10-0.12.0, in plain JAX: the gradient of a parameter typed
+    ``reduced`` over the data axes, summed from its ``unreduced`` partials, differs from ``jax.grad``'s there. JAX
+    0.12.1 transposes it right (the sum); its partials are then refused for another reason (the next test)."""
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     w, x = _auto_axes_ragged_data()
 
@@ -242,16 +245,96 @@ def test_jax_transposes_a_ragged_dot_of_a_reduced_parameter_on_auto_axes_wrongly
         xs = jax.device_put(x, NamedSharding(mesh, P("data")))
         ours = jax.jit(through_copies)(w, xs)
         ref = jax.jit(jax.grad(_auto_axes_ragged_loss))(w, xs)
-    assert not np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-3, atol=1e-3)
+    assert np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-3, atol=1e-3) == (not AUTO_CAST_KEEPS_PARTIALS)
+
+
+def _partials_through_auto_axes(mesh, w, x):
+    """Each device's ``unreduced`` partial of a copy of ``w`` (``reduced`` over ``data``) cast into Auto axes and
+    contracted there with the rows ``x``: stacked on a leading axis, one row per data shard."""
+
+    def partials(w, x):
+        copy = jax.reshard(w, P(None, None, reduced={"data"}))
+        _, vjp = jax.vjp(lambda c: jax.sharding.auto_axes(jnp.matmul, out_sharding=P("data", None))(x, c), copy)
+        (g,) = vjp(jnp.ones((x.shape[0], w.shape[1]), out_sharding=P("data", None)))
+        spec = jax.typeof(g).sharding.spec
+        return jax.shard_map(lambda b: b[None], mesh=mesh, in_specs=spec, out_specs=P("data"), check_vma=False)(g)
+
+    return np.asarray(jax.jit(partials)(w, x))
+
+
+def test_jax_keeps_each_devices_partial_through_a_cast_to_auto_axes_only_before_0_12_1():
+    """Plain JAX, the fact ``_compat.auto_cast_keeps_partials`` gates on: a copy cast into ``auto_axes`` gets back
+    each device's partial of its own rows on JAX 0.10-0.12.0, and the whole sum on one device from 0.12.1 (the sum,
+    the gradient, right on both)."""
+    mesh = jax.make_mesh((8,), ("data",))
+    rng = np.random.default_rng(1)
+    w, x = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(32, 4)).astype(np.float32)
+    own = np.stack([x[i * 4 : (i + 1) * 4].T @ np.ones((4, 3), np.float32) for i in range(8)])
+    with jax.set_mesh(mesh):
+        got = _partials_through_auto_axes(mesh, w, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(got.sum(0), own.sum(0), rtol=1e-5, atol=1e-5)
+    assert np.allclose(got, own, rtol=1e-5, atol=1e-5) == AUTO_CAST_KEEPS_PARTIALS
+
+
+def test_a_parameter_cast_to_auto_axes_is_exact_before_0_12_1_and_refused_from_it():
+    """``jax.sharding.auto_axes`` around a matmul of a parameter on an Explicit mesh: exact per copy where JAX keeps
+    the partials (against each data shard's rows differentiated alone), our refusal naming the Explicit call where it
+    does not (JAX 0.12.1 made the drop-in's statistics 2.9x off here, silently, before the refusal)."""
+    mesh = jax.make_mesh((8,), ("data",))
+    rng = np.random.default_rng(2)
+    w, x = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(32, 4)).astype(np.float32)
+
+    def loss(w, x):
+        h = jax.sharding.auto_axes(jnp.matmul, out_sharding=P("data", None))(x, w)
+        return jnp.mean(jnp.tanh(h) ** 2)
+
+    fn = jax.jit(optax_adascale.value_and_grad(loss, data_axes="data"))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        if not AUTO_CAST_KEEPS_PARTIALS:
+            with pytest.raises(ValueError, match=r"auto_axes.*0\.12\.1.*out_sharding=P\('data', None\)"):
+                fn(w, xs)
+            return
+        _, grads, stats = fn(w, xs)
+    shards = [np.asarray(jax.grad(loss)(w, x[i * 4 : (i + 1) * 4])) for i in range(8)]
+    np.testing.assert_allclose(np.asarray(grads), np.mean(shards, axis=0), rtol=2e-5, atol=1e-7)
+    assert float(stats.sq_norms) == pytest.approx(np.mean([np.sum(g**2) for g in shards]), rel=2e-5)
 
 
 def test_ragged_dot_of_a_parameter_under_auto_axes_is_refused_naming_the_explicit_call():
     """``jax.sharding.auto_axes`` around ``lax.ragged_dot`` (how plain JAX differentiates it on an Explicit mesh):
-    JAX's own transpose of it gives wrong partials for a parameter typed reduced (its gradient differs from
-    ``jax.value_and_grad``'s), so the drop-in refuses it and names the call it runs exactly."""
+    JAX 0.10-0.12.0's transpose of it gives wrong partials for a parameter typed reduced (its gradient differs from
+    ``jax.value_and_grad``'s), and from 0.12.1 no copy keeps its partials through the cast: either way the drop-in
+    refuses it and names the call it runs exactly."""
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     w, x = _auto_axes_ragged_data()
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P("data")))
         with pytest.raises(ValueError, match=r"auto_axes.*out_sharding=P\('data', None\)"):
             jax.jit(optax_adascale.value_and_grad(_auto_axes_ragged_loss, data_axes="data"))(w, xs)
+
+
+def test_ragged_dot_of_gathered_tokens_on_a_mesh_with_a_model_axis_runs_as_jax_value_and_grad():
+    """Tokens gathered off the data axes into ``lax.ragged_dot(..., out_sharding=P())`` with a parameter, on a mesh
+    with a model axis: JAX 0.12.1 differentiates it itself, and the drop-in's per-copy backward pass (manual over
+    every axis, so that no sharding is left for JAX to infer) gives its value and gradients, where it raised JAX's
+    ``NotImplementedError`` before. The reference: ``jax.value_and_grad`` without a mesh."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(3)
+    w, x = (rng.normal(size=(4, 4, 6)) / 2).astype(np.float32), rng.normal(size=(32, 4)).astype(np.float32)
+    sizes = np.array([5, 11, 9, 7], np.int32)
+
+    def loss(w, x, sizes):
+        out = P() if jax.typeof(x).sharding.mesh.axis_names else None
+        h = jax.lax.ragged_dot(jax.reshard(x, P()) if out is not None else x, w, sizes, out_sharding=out)
+        return jnp.mean(jnp.tanh(h) ** 2)
+
+    ref_value, ref_grads = jax.value_and_grad(loss)(w, x, sizes)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        value, grads, stats = jax.jit(
+            optax_adascale.value_and_grad(loss, data_axes="data", arg_specs=(P("data"), P()))
+        )(w, xs, sizes)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(ref_grads), rtol=2e-5, atol=1e-7)
+    assert np.isfinite(float(stats.sq_norms))

@@ -15,7 +15,7 @@ from optax_adascale.gspmd import _table
 from tests.gspmd import patterns
 from tests.helpers import primitive
 
-VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])  # (0, 12, 1): ONLY_ON names patch releases too
 
 
 def _version(text):
