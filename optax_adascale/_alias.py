@@ -130,12 +130,14 @@ def adascale_sgd(
         raise ValueError("nesterov=True requires a momentum, got momentum=None")
     _checks.check_number("momentum", momentum, low=0.0)
     _checks.check_number("weight_decay", weight_decay, low=0.0)
-    parts = [_decayed_weights(weight_decay)]
     options = _options.unwrap(options, "options")
     clock = _resolve_clock(clock, estimator, DEFAULT_CLOCK["sgd"])
-    if momentum is not None:
-        trace = _clock.trace if clock == TAU_CLOCK else _keeps_state.trace
-        parts.append(trace(decay=momentum, nesterov=nesterov))
+    if momentum is not None and clock == TAU_CLOCK:  # the guard reads its input: the decay inside the trace
+        parts = [_clock.trace(decay=momentum, nesterov=nesterov, weight_decay=weight_decay)]
+    else:
+        parts = [_decayed_weights(weight_decay)]
+        if momentum is not None:
+            parts.append(_keeps_state.trace(decay=momentum, nesterov=nesterov))
     return adascale(
         _keeps_state.keeps_state(optax.chain(*parts)),
         learning_rate,

@@ -15,7 +15,8 @@ import numpy as np
 import optax
 
 from optax_adascale import _compat
-from optax_adascale.core import _checks, _read
+from optax_adascale.core import _checks, _clock, _read
+from optax_adascale.core import _estimator as _estimator
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.core._ramp import RampState
 from optax_adascale.tools import _noise
@@ -185,7 +186,13 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     σ̄²``: no mean gradient above the noise, every larger batch pays), the
     ratio otherwise; ``noise_scale_measured`` is ``noise_scale`` not NaN. The
     same reading as a ramp's ``RampInputs``, the monitor's and
-    ``goodput.Choice``'s. With ``param_labels``, ``group_gains`` (label →
+    ``goodput.Choice``'s. ``estimated_gain`` is the gain the estimator gives
+    from the averages at the last update's ``S`` (the gain before the τ
+    clock's stability guard); ``gain_limit`` the largest gain the guard lets
+    the next update apply by the curvature measured along the steps
+    (``curvature``; ``+inf`` and 0 where nothing is measured or no τ-clock
+    momentum guards the gain); the next gain is also at most ``1.1·max(gain,
+    1)``. With ``param_labels``, ``group_gains`` (label →
     gain); with a :class:`BatchRamp`, ``microbatches`` (``k``, micro-batches
     per replica in the update in progress: the next update's),
     ``next_scale`` (its ``S``; 0 before the first call; ``scale`` stays the
@@ -229,6 +236,7 @@ def metrics(opt_state: Any) -> dict[str, Any]:
         "floored_steps": _value(s.floored_steps),
     }
     out["noise_scale"], out["noise_scale_measured"] = _noise_scale(s)
+    out.update(_guard(s))
     if isinstance(s.group_gains, Mapping) and s.group_gains:
         out["group_gains"] = {k: _value(v) for k, v in s.group_gains.items()}
     if s.ramp is not None:
@@ -237,6 +245,26 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     if monitor is not None:
         out.update({k: v for k, v in monitor.items() if k not in out})
     return out
+
+
+def _guard(s: AdaScaleState) -> dict[str, jax.Array]:
+    """The gain the estimator gives (from the averages, at the last update's ``S``: the gain before the guard), and
+    what the τ clock's guard holds: the largest gain the next update may apply by the measured curvature, and that
+    curvature (``+inf`` and 0 where nothing is measured, or no τ-clock momentum guards the gain)."""
+    var: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_var)))
+    sqr: Any = sum(jax.tree.leaves(jax.tree.map(_value, s.grad_sqr)))
+    scale = jnp.maximum(_value(s.scale), 1.0)
+    estimated = jnp.where(_value(s.count) > 0, _estimator.gain_ratio(var, jnp.maximum(sqr, 0.0), scale), 1.0)
+    found: list[Any] = []  # the guarded traces, also in a checkpoint restored without a target (dicts)
+    _read.search(s.inner_state, _clock.TraceState, _trace_state_from_mapping, found)
+    limit = jnp.min(jnp.stack([_value(x.limit) for x in found])) if found else jnp.float32(jnp.inf)
+    curvature = jnp.max(jnp.stack([_value(x.curvature) for x in found])) if found else jnp.float32(0)
+    return {"estimated_gain": estimated, "gain_limit": limit, "curvature": curvature}
+
+
+def _trace_state_from_mapping(x: Mapping) -> Any:
+    fields = _clock.TraceState._fields
+    return _clock.TraceState(**{k: x[k] for k in fields}) if set(fields) <= set(x.keys()) else None
 
 
 def _noise_scale(s: AdaScaleState) -> tuple[jax.Array, jax.Array]:

@@ -137,6 +137,9 @@ def test_learning_rate_is_annotated_as_optax_scalar_or_schedule():
 PINNED_METRICS = {"gain", "scale_invariant_steps", "grad_sqr", "grad_var", "learning_rate", "scale", "skipped_steps"}
 DOCUMENTED_METRICS = {
     "base_learning_rate",
+    "curvature",
+    "estimated_gain",
+    "gain_limit",
     "floored_steps",
     "noise_scale",
     "noise_scale_measured",

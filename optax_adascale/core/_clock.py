@@ -21,9 +21,9 @@ momentum SGD (and Adam) keep their stochastic differential equation when the bat
   Decoupled weight decay chained after it still gets the full ``r``: the decay per base-batch step is the small
   batch's.
 
-Both read the gain from the keyword AdaScale passes to ``inner`` (``adascale_gain``; ``adascale_tau``: ``τ`` before
-the update). Without it (outside AdaScale, or ``n = S = 1``) they are ``core/_keeps_state``'s ``optax.trace`` and
-``optax.scale_by_adam``, bit for bit; like those, given ``adascale_taken`` they select each state leaf where they
+Both read the gain from the keyword AdaScale passes to every ``inner`` (``base_steps``, a :class:`BaseSteps`), and
+refuse to run without it. At ``r = 1`` (``n = S = 1``) they are ``core/_keeps_state``'s ``optax.trace`` and
+``optax.scale_by_adam``, bit for bit; like those, given ``base_steps.taken`` they select each state leaf where they
 compute it, so a skipped update copies no donated state (``core/_inner``).
 
 References:
@@ -33,7 +33,9 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -41,46 +43,101 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from optax_adascale import _compat
 from optax_adascale.core import _keeps_state, _norms
 
 Array = jax.Array
 
 KEYWORD = "base_steps"
-SUMS = "adascale_sums"  # internal: the reduction strategies' global sum of per-leaf scalars (model shards, ZeRO rows)
 # The guard's margin: the step along the measured curvature stays within this fraction of the τ clock's stability
 # limit, r·lr·h·(1 − β^r)/(1 − β) ≤ 2·GUARD_MARGIN·(1 + β^r): at 1/2, the step that lands on the minimum of the
 # curvature it measured (what a larger step cannot beat: beyond it an update overshoots, and beyond 2× it diverges).
 GUARD_MARGIN = 0.5
-# The measured curvature is held at its peak and halves each update it is not measured again as high.
+# The measured curvature is held at its peak and halves each update a measured secant is lower. An update that
+# measures nothing (no step yet, a secant below its float32 resolution, a negative one: the loss concave along the
+# step) keeps it: once measured, the cap does not fade because the steps stopped measuring it.
 CURVATURE_DECAY = 0.5
+# A secant whose numerator (the change of the gradient along the step) is below this fraction of its terms is
+# float32 rounding, not curvature (near a zero loss both terms vanish together): it measures nothing.
+SECANT_RESOLUTION = 1e-4
 # The gain grows by at most this factor an update. A sharper direction than the step probes (the top of the Hessian,
 # which training drives to the edge of what the recent steps allowed) cannot be measured from the step; a step
 # that stiffens gradually lets it relax, where a jump of the gain (a larger batch, an estimate from few samples)
 # throws the parameters out of it (benchmarks/scale_quality: the byte LM at 2× its rate, S = 32).
 GAIN_GROWTH = 1.1
+# The guard's dot products read a strided sample of each leaf of more than SAMPLE_MIN elements, about SAMPLE_SIZE
+# of them, scaled to the whole leaf: power-of-two strides dividing each dimension's local size, taken from the
+# first dimension on (the sampled rows of a matrix are contiguous; a stride is at most 1/64 of its dimension, so a
+# sharded dimension's shards keep whole strides where the type does not say how it is split). 8 KB per buffer and
+# leaf where a pass over the gradient and the momentum would read them whole (benchmarks/overhead: XLA's cost
+# model charges 0.06 words per parameter for the three buffers of a 1M-parameter model).
+SAMPLE_MIN = 1 << 13
+SAMPLE_SIZE = 1 << 11
+# Newton steps on the stability limit (``_largest_gain``), unrolled: 3 reach float32 accuracy from the lower bound
+# it starts at (checked against a 200-step bisection over β ∈ [0.5, 0.999], Nesterov or not, budgets 1e-2 to 1e9).
+NEWTON_STEPS = 4
 
 
-class BaseSteps(NamedTuple):
-    """What AdaScale hands an ``inner`` that counts base-batch steps: the keyword ``base_steps`` of its ``update``.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BaseSteps:
+    """What AdaScale hands every ``inner``: the keyword ``base_steps`` of its ``update``, every field required.
 
-    An inner *counts base steps* when its averages decay per base-batch step (:func:`trace`,
-    :func:`scale_by_adam`): it must know what an update is worth, so its ``update`` takes
-    ``base_steps=BaseSteps(...)`` and refuses to run without it (our ``ValueError``), never falling back to a
-    per-update average silently. AdaScale passes it to every ``inner``; inners that take no extra arguments never
-    see it (``optax.with_extra_args_support``).
+    An inner that *counts base steps* (:func:`trace`, :func:`scale_by_adam`: averages that decay per base-batch
+    step) must know what an update is worth, so its ``update`` takes ``base_steps=BaseSteps(...)`` and refuses to
+    run without it (our ``ValueError``), never falling back to a per-update average silently. It is also the one
+    channel of everything else an inner learns from AdaScale: whether the update is applied (``taken``), and the
+    the guard's measurements (``probe``) and the global squared norm over the pieces of a parameter split over model
+    axes or ZeRO rows (``sq_norm``). Inners
+    that take no extra arguments never see it (``optax.with_extra_args_support``).
 
     Attributes:
       gain: the gain ``r`` of this update (what it is worth in base-batch steps): a float32 scalar, or with
         ``param_labels`` a tree of scalars shaped like the gradients (each leaf its group's gain).
-      learning_rate: float32 ``[]``, ``lr(⌊τ⌋)``: the step AdaScale applies is ``−r·lr·inner(ḡ)``.
+      learning_rate: float32 ``[]``, ``lr(⌊τ⌋)``.
+      step: the step AdaScale applies to ``inner``'s output, ``−step·inner(ḡ)``: ``r·lr`` (``r^p·lr`` with an
+        experimental ``gain_exponent``), shaped as ``gain``.
+      last_step: the step of the last applied update (0 before the first), from AdaScale's state, shaped as
+        ``gain``.
+      next_learning_rate: float32 ``[]``, ``lr(⌊τ + r⌋)``: the learning rate of the next update if this one is
+        applied (the stability guard caps the next gain at it).
       noise: float32 ``[]``, ``σ̄²/S``: the expected ``‖ḡ − ∇L‖²`` of this update's gradient (0 with one sample).
-      last_step: the step ``r·lr`` of the last applied update (0 before the first), shaped as ``gain``.
+      taken: a boolean scalar, False where AdaScale skips this update, for an inner that selects its own state
+        where it writes it (``KeepsStateOnSkip``); ``None`` for any other inner (AdaScale keeps its state).
+      probe: for the guarded :func:`trace`, float32 ``[L, 6]``: per leaf, the dot products of the averaged gradient
+        ``ḡ``, the trace ``m`` and the parameters ``θ`` (``ḡ·m, ‖ḡ‖², ḡ·θ, ‖m‖², m·θ, ‖θ‖²``) on a strided sample
+        of each (:func:`probe_dots`), scaled to the whole leaf and summed over its pieces: taken by AdaScale in its
+        statistics' reduction, riding its all-reduce; ``None`` where ``inner`` holds no guarded trace.
+      sq_norm: ``sq_norm(tree) -> ‖tree‖²`` of a tree shaped like the gradients, summed over the pieces of leaves
+        split over model axes or ZeRO rows (one scalar ``psum``; a plain sum where every leaf is whole).
     """
 
     gain: Any
     learning_rate: Any
+    step: Any
+    last_step: Any
+    next_learning_rate: Any
     noise: Any
-    last_step: Any = 0.0
+    taken: Any
+    probe: Any
+    sq_norm: Any = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def by_hand(cls, gain: Any, learning_rate: Any = 0.0) -> BaseSteps:
+        """An applied update worth ``gain`` base steps, for running an inner by hand (the docs' examples, tests):
+        every leaf whole on this device, no last step (the guard measures nothing)."""
+        lr = jnp.asarray(learning_rate, jnp.float32)
+        return cls(
+            gain=gain,
+            learning_rate=lr,
+            step=jnp.asarray(gain, jnp.float32) * lr,
+            last_step=jnp.float32(0),
+            next_learning_rate=lr,
+            noise=jnp.float32(0),
+            taken=None,
+            probe=None,
+            sq_norm=local_sq_norm,
+        )
 
 
 def required(extra_args: dict[str, Any], who: str) -> BaseSteps:
@@ -96,9 +153,15 @@ def required(extra_args: dict[str, Any], who: str) -> BaseSteps:
     return steps
 
 
-def probe_args() -> dict[str, Any]:
-    """The keyword for running ``inner`` outside an update (the stand-in checks): an update worth one base step."""
-    return {KEYWORD: BaseSteps(jnp.float32(1), jnp.float32(0), jnp.float32(0), jnp.float32(0))}
+def local_sq_norm(tree: Any) -> Array:
+    """``‖tree‖²`` in float32, every leaf whole on this device."""
+    return sum((_norms.leaf_sq_norm(x) for x in jax.tree.leaves(tree)), jnp.zeros([], jnp.float32))
+
+
+def probe_args(sq_norm: Any = local_sq_norm) -> dict[str, Any]:
+    """The keyword for running ``inner`` outside an update (the stand-in checks): an applied update worth one base
+    step, at learning rate 0 (so the guard measures nothing), squared norms by ``sq_norm``."""
+    return {KEYWORD: dataclasses.replace(BaseSteps.by_hand(jnp.float32(1)), sq_norm=sq_norm)}
 
 
 def _per_leaf(gain: Any, updates: Any) -> list[Array]:
@@ -149,19 +212,131 @@ def _mix(a: Array, x: Array, b: Array, y: Array, out: Any = None) -> Array:
     return (a * x.astype(wide) + b * y.astype(wide)).astype(_wide(x, y, least=None) if out is None else out)
 
 
+def _local_shape(x: Array) -> tuple[tuple[int, ...], bool]:
+    """Each device's block of ``x`` and whether its type says so: its shape divided along the dimensions an Explicit
+    mesh splits; the whole shape where the type records no split (``True`` under ``shard_map``, where the array is a
+    local block, and for a replicated leaf; ``False`` on an Auto mesh, where the compiler decides)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or getattr(mesh, "empty", True):
+        return tuple(x.shape), True
+    if set(mesh.axis_types) != {jax.sharding.AxisType.Explicit}:
+        return tuple(x.shape), False
+    sizes = dict(mesh.shape)
+    out = []
+    for d, n in enumerate(x.shape):
+        entry = spec[d] if d < len(spec) else None
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(n // math.prod(sizes.get(a, 1) for a in names))
+    return tuple(out), True
+
+
+def _strides(x: Array) -> tuple[int, ...] | None:
+    """The strides of :func:`_sample` for a leaf shaped as ``x``, or ``None`` to read it whole."""
+    size = math.prod(x.shape)
+    if size <= SAMPLE_MIN:
+        return None
+    want = size // SAMPLE_SIZE
+    local, known = _local_shape(x)
+    strides = []
+    for n in local:
+        top = n if known else n // 16  # where the split is unknown, strides that divide a 16-way shard too
+        s = 1
+        while s * 2 <= want and n % (s * 2) == 0 and s * 2 <= top:
+            s *= 2
+        strides.append(s)
+        want //= s
+    return None if all(s == 1 for s in strides) else tuple(strides)
+
+
+def _sample(x: Array, strides: tuple[int, ...] | None) -> Array:
+    """A strided sample of ``x`` (about :data:`SAMPLE_SIZE` elements where it has more than :data:`SAMPLE_MIN`): powers
+    of two dividing each dimension's local size, taken from the first dimension on, so that the sample of a sharded
+    leaf is a sample of each device's block and a slice of the buffer itself (no pass over the rest of it)."""
+    return x if strides is None else x[tuple(slice(None, None, s) for s in strides)]
+
+
+def guarded_trace(inner_state: Any) -> Any:
+    """The momentum buffer (a tree shaped like the params) of the one guarded τ-clock trace in ``inner``'s state, or
+    ``None`` where there is none; our error where there are several (the guard probes one momentum)."""
+    states = _trace_states(inner_state)
+    if len(states) > 1:
+        raise ValueError(
+            f"inner holds {len(states)} guarded τ-clock momenta (optax_adascale.trace): AdaScale's stability guard "
+            "measures the curvature along one. Chain one optax_adascale.trace, or pass guard=False to the others."
+        )
+    return states[0].trace if states else None
+
+
+def probe_dots(grads: list[Array], trace: list[Array], params: list[Array] | None, scale: Any = 1.0) -> Array:
+    """Per leaf, ``(ḡ·m, ‖ḡ‖², ḡ·θ, ‖m‖², m·θ, ‖θ‖²)`` on a strided sample of each buffer (the same positions in each,
+    :func:`_sample`), scaled to the whole leaf: float32 ``[L, 6]`` (the θ terms 0 without ``params``). ``grads``:
+    buffers ``1/scale`` times the averaged gradient (an all-reduce's output, so that the sample is a slice of that
+    buffer). Each device's own pieces: summing over the pieces of a split leaf is the caller's (its statistics'
+    reduction)."""
+    scale = jnp.asarray(scale, jnp.float32)
+    zero = jnp.zeros([], jnp.float32)
+    rows = []
+    for i, (g, m) in enumerate(zip(grads, trace, strict=True)):
+        strides = _strides(g)
+        factor = math.prod(g.shape) / math.prod(_sample(g, strides).shape)
+        gs, ms = _sample(g, strides), _sample(m, strides)
+        gm, gg, mm = _norms.leaf_dots([(gs, ms), (gs, gs), (ms, ms)])
+        gt = mt = tt = zero
+        if params is not None:
+            ts = _sample(params[i], strides)
+            gt, mt, tt = _norms.leaf_dots([(gs, ts), (ms, ts), (ts, ts)])
+        rows.append(factor * jnp.stack([scale * gm, scale * scale * gg, scale * gt, mm, mt, tt]))
+    return jnp.stack(rows) if rows else jnp.zeros((0, 6), jnp.float32)
+
+
+def probe_dots_partitioned(grads: list[Array], trace: list[Array], params: list[Array] | None) -> Array | None:
+    """:func:`probe_dots` of leaves a jit step partitions over an Explicit mesh (their types say how), in one
+    ``shard_map`` over the whole mesh: each device's sample of its own blocks, a block replicated over an axis counted
+    once (index 0 along it), then one ``psum`` over every axis. Its all-reduce spans every device, as the GSPMD
+    drop-in's statistics' does, and depends on nothing the update writes: XLA combines the two. ``None`` where the
+    leaves' types name no Explicit mesh (the compiler's own reductions then)."""
+    sharding = [getattr(jax.typeof(x), "sharding", None) for x in [*grads, *trace, *(params or [])]]
+    meshes = {getattr(sh, "mesh", None) for sh in sharding}
+    if len(meshes) != 1 or any(getattr(sh, "spec", None) is None for sh in sharding):
+        return None
+    (mesh,) = meshes
+    if mesh is None or getattr(mesh, "empty", True) or set(mesh.axis_types) != {jax.sharding.AxisType.Explicit}:
+        return None
+    axes = tuple(mesh.axis_names)
+    specs = [sh.spec for sh in sharding]
+    n = len(grads)
+
+    def body(*blocks):
+        g, m = list(blocks[:n]), list(blocks[n : 2 * n])
+        t = list(blocks[2 * n :]) if params is not None else None
+        rows = probe_dots(g, m, t)
+        for i, spec in enumerate(specs[:n]):
+            used = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))}
+            for a in axes:
+                if a not in used:
+                    rows = rows.at[i].multiply(jnp.where(lax.axis_index(a) == 0, 1.0, 0.0))
+        return lax.psum(rows, axes)
+
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=tuple(specs), out_specs=jax.sharding.PartitionSpec(), check_vma=False
+    )(*grads, *trace, *(params or []))
+
+
 class TraceState(NamedTuple):
     """State of :func:`trace`: the momentum and what its stability guard measured along the last step.
 
     Attributes:
       trace: the momentum ``m``, shaped like the params (optax's ``TraceState.trace``).
-      slope: float32 ``[]``, ``Σ η·(u·m)``: the update's input ``u`` along the last step, per its own step.
-      reach: float32 ``[]``, ``Σ η²·(v·m)``: the last step's squared length along ``m``.
+      slope: float32 ``[]``, ``Σ η·(u·m)``: the update's input ``u`` along the new trace, times its step ``η``.
+      reach: float32 ``[]``, ``Σ η²·(v·m)``: the step ``η·v`` along the new trace, times ``η``.
       noise: float32 ``[]``, the part of ``slope`` that is the gradient's noise (its expectation, ``σ̄²/S`` times
         the weight ``(1 − β^r)/(1 − β)`` the noise entered ``m`` with, times ``η``).
       curvature: float32 ``[]``, the curvature ``h`` measured along the steps (the secant
-        ``(u_t − u_{t−1})·Δθ/‖Δθ‖²``, its noise removed), held at its peak and halved each update; 0 unmeasured.
-      decay: float32 ``[]``, the momentum ``β`` (read by the guard).
-      nesterov: float32 ``[]``, 1 for Nesterov momentum, else 0 (its stability limit is lower).
+        ``(u_t − u_{t−1})·Δθ/‖Δθ‖²``, its noise removed), held at its peak, halved by a lower measurement, kept
+        where an update measures nothing; 0 before the first measurement.
+      limit: float32 ``[]``, the largest gain the next update may apply: half the τ clock's stability limit along
+        ``curvature`` at the next update's learning rate (``+inf`` while nothing is measured).
     """
 
     trace: Any
@@ -169,12 +344,16 @@ class TraceState(NamedTuple):
     reach: Array
     noise: Array
     curvature: Array
-    decay: Array
-    nesterov: Array
+    limit: Array
 
 
 def trace(
-    decay: float, nesterov: bool = False, accumulator_dtype: Any = None, *, guard: bool = True
+    decay: float,
+    nesterov: bool = False,
+    accumulator_dtype: Any = None,
+    *,
+    weight_decay: float = 0.0,
+    guard: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""``optax.trace`` on the τ clock: an update worth ``r`` base-batch steps decays the trace by ``decay^r``.
 
@@ -183,16 +362,22 @@ def trace(
     ``r``, so the step ``r·lr·m`` is ``r`` small-batch steps in the steady state, and the trace remembers
     ``1/(1 − β)`` base-batch steps whatever the scale (the module docstring says why).
 
-    It counts base steps: its ``update`` needs AdaScale's ``base_steps=BaseSteps(gain, learning_rate, noise)``
-    and refuses to run without it. It also measures the curvature ``h`` along the steps it takes (the secant of the
-    gradient along the last step, from three dot products over the buffers its update reads, its noise removed):
-    AdaScale caps the gain where the step would pass half the τ clock's stability limit along ``h``
-    (:func:`gain_limit`).
+    It counts base steps: its ``update`` needs AdaScale's ``base_steps=BaseSteps(...)`` and refuses to run without
+    it. It also guards the τ clock's stability: it measures the curvature ``h`` along the steps it takes (the
+    secant of its input along the last step, its noise removed, from dot products of ``ḡ``, ``m`` and ``θ`` that
+    AdaScale takes on a strided sample of each leaf in its statistics' reduction: ``BaseSteps.probe``; a chain of
+    transformations before the trace other than its own ``weight_decay`` is not seen) and stores the largest gain
+    the *next* update may apply: the one
+    whose step reaches half the stability limit along ``h`` at the next learning rate (``TraceState.limit``; a
+    closed-form start and four Newton steps, no loop). AdaScale applies ``min(estimated gain, 1.1·last gain,
+    limit)``: the curvature measured in one update caps the next.
 
     Args:
-      decay: ``β ∈ [0, 1)``, PyTorch's momentum.
+      decay: ``β ∈ [0, 1)``, PyTorch's momentum (``β = 0`` has no trace to measure along: no guard).
       nesterov: Nesterov momentum.
       accumulator_dtype: the trace's dtype, as ``optax.trace``'s (``None``: the params' and updates').
+      weight_decay: ``λ``, added to the gradient before the trace (``g + λθ``, PyTorch SGD's decay:
+        ``optax.chain(optax.add_decayed_weights(λ), trace(β))``), so that the guard knows its input; needs ``params``.
       guard: measure the curvature for AdaScale's stability guard (``False``: no measurements and no guard, the
         state ``optax.TraceState``: 0.3's ``clock="tau"``, kept for studies; one gain for every leaf).
 
@@ -203,7 +388,7 @@ def trace(
       >>> import jax.numpy as jnp, optax_adascale
       >>> tx = optax_adascale.trace(0.9)
       >>> state = tx.init(jnp.zeros(1))
-      >>> worth_two = optax_adascale.BaseSteps(gain=2.0, learning_rate=0.1, noise=0.0)
+      >>> worth_two = optax_adascale.BaseSteps.by_hand(gain=2.0)
       >>> m, state = tx.update(jnp.ones(1), state, base_steps=worth_two)
       >>> print(m.round(4))  # 1 + 0.9: the trace of two base steps of the same gradient
       [1.9]
@@ -211,7 +396,7 @@ def trace(
     plain = _keeps_state.trace(decay=decay, nesterov=nesterov, accumulator_dtype=accumulator_dtype)
     accumulator_dtype = None if accumulator_dtype is None else jax.dtypes.canonicalize_dtype(accumulator_dtype)
     if not guard:
-        return _unguarded_trace(plain, decay, nesterov, accumulator_dtype)
+        return _unguarded_trace(plain, decay, nesterov, accumulator_dtype, weight_decay)
 
     def init_fn(params):
         zero = lambda: jnp.zeros([], jnp.float32)  # noqa: E731 - a fresh buffer per field (donation)
@@ -221,147 +406,148 @@ def trace(
             reach=zero(),
             noise=zero(),
             curvature=zero(),
-            decay=jnp.full([], decay, jnp.float32),
-            nesterov=jnp.full([], float(nesterov), jnp.float32),
+            limit=jnp.full([], jnp.inf, jnp.float32),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        del params
         steps = required(extra_args, "optax_adascale.trace")
-        taken = extra_args.get(_keeps_state.TAKEN)
-        sums = extra_args.get(SUMS) or _local_sums
+        updates = _with_weight_decay(updates, params, weight_decay)
         leaves, treedef = jax.tree.flatten(updates)
         olds = treedef.flatten_up_to(state.trace)
         gains = _per_leaf(steps.gain, updates)
-        lr = jnp.asarray(steps.learning_rate, jnp.float32)
-        # The guard's measurements: the secant along the last step −η·v (``m`` its probe), from three dot products
-        # per leaf over the buffers this update reads before it writes (the new gradient u and the old trace m):
-        # d = u·m, e = ‖u‖², q = ‖m‖². What the next secant needs of the new trace follows from them exactly
-        # (m' = k·m + w·u: u·m' = k·d + w·e, ‖m'‖² = k²q + 2kw·d + w²e), so every sum is taken in one stage before the
-        # update (one collective where one is needed), each pair in its own fused multiply-reduce (no stacked copies
-        # of state buffers), and the new trace, selected on a predicate that reads them, is written over the old one
-        # in place (a donated state is not copied).
-        parts = _norms.leaf_dots([pair for g, m in zip(leaves, olds, strict=True) for pair in ((g, m), (g, g), (m, m))])
-        old_steps = _per_leaf(steps.last_step, updates)  # the last update moved the params by −η·v
-        coefficients, local = [], []
-        for i, (r, eta_old) in enumerate(zip(gains, old_steps, strict=True)):
-            keep, weight = _trace_coefficients(decay, r)
-            coefficients.append((keep, weight))
-            d, e, q = parts[3 * i], parts[3 * i + 1], parts[3 * i + 2]
-            slope_l = keep * d + weight * e  # u·m'
-            sq_new = keep * keep * q + 2 * keep * weight * d + weight * weight * e  # ‖m'‖²
-            along = weight * slope_l + keep * sq_new if nesterov else sq_new  # v·m'
-            eta = r * lr
-            local.append(jnp.stack([eta_old * d, eta * slope_l, eta * eta * along]))
-        dots = sums(local)  # replicated (summed over model axes and ZeRO rows where those split the leaves)
-        read = jnp.all((dots == dots) | (dots != dots))  # always True, after the reads
-        taken_after = read if taken is None else taken & read
-        new_m, out, weights = [], [], []
+        etas, old_etas = _per_leaf(steps.step, updates), _per_leaf(steps.last_step, updates)
+        coefficients = [_trace_coefficients(decay, r) for r in gains]
+        taken = steps.taken
+        if steps.probe is not None:
+            # The guard's measurements: the secant along the last step −η_old·v (``m`` its probe), from dot products
+            # AdaScale took in its statistics' reduction on a sample of ḡ, m and θ (``BaseSteps.probe``): with
+            # u = ḡ + λθ this update's input, d = u·m, e = ‖u‖², q = ‖m‖². What the next secant needs of the new trace
+            # follows from them exactly (m' = k·m + w·u: u·m' = k·d + w·e, ‖m'‖² = k²q + 2kw·d + w²e). The sample of m
+            # is read before the trace is written over in place: the write's select reads the probe (a predicate that
+            # is always true), or XLA would copy the whole buffer first.
+            probe, lam = steps.probe, jnp.asarray(weight_decay, jnp.float32)
+            parts = []
+            for i, ((keep, weight), eta, eta_old) in enumerate(zip(coefficients, etas, old_etas, strict=True)):
+                gm, gg, gt, mm, mt, tt = (probe[i, j] for j in range(6))
+                d, e, q = gm + lam * mt, gg + 2 * lam * gt + lam * lam * tt, mm
+                slope_l = keep * d + weight * e  # u·m'
+                sq_new = keep * keep * q + 2 * keep * weight * d + weight * weight * e  # ‖m'‖²
+                along = weight * slope_l + keep * sq_new if nesterov else sq_new  # v·m'
+                parts.append(jnp.stack([eta_old * d, eta * slope_l, eta * eta * along]))
+            dots = jnp.sum(jnp.stack(parts), axis=0)
+            read = jnp.all((probe == probe) | (probe != probe))  # always True, after the sample's reads
+            taken = read if taken is None else taken & read
+        new_m, out = [], []
         for g, m, (keep, weight) in zip(leaves, olds, coefficients, strict=True):
-            m_new = _keeps_state.kept(taken_after, _mix(weight, g, keep, m), m)
+            m_new = _keeps_state.kept(taken, _mix(weight, g, keep, m), m)
             new_m.append(m_new)
             out.append(_mix(weight, g, keep, m_new) if nesterov else m_new)
-            weights.append(weight)
-        new_steps = [r * lr for r in gains]
-        crossed, slope, reach = dots[0], dots[1], dots[2]
-        curvature = (state.slope - crossed - state.noise) / jnp.where(state.reach > 0, state.reach, 1.0)
-        measured = (state.reach > 0) & jnp.isfinite(curvature)
-        curvature = jnp.maximum(jnp.where(measured, curvature, 0.0), CURVATURE_DECAY * state.curvature)
-        # E[(ξ_t − ξ_{t+1})·m_t] = weight·E‖ξ_t‖²: the noise the next secant subtracts (the smallest leaf's share)
-        step_weight = jnp.min(jnp.stack([e * w for e, w in zip(new_steps, weights, strict=True)]))
-        noise = step_weight * jnp.asarray(steps.noise, jnp.float32)
-        scalars = (slope, reach, noise, curvature)
-        old_scalars = (state.slope, state.reach, state.noise, state.curvature)
-        scalars = _keeps_state.kept(taken, scalars, old_scalars)
         new_trace = optax.tree.cast(treedef.unflatten(new_m), accumulator_dtype)
-        new_state = TraceState(new_trace, *scalars, state.decay, state.nesterov)
-        return treedef.unflatten(out), new_state
+        if steps.probe is None:  # run by hand (no AdaScale statistics): nothing measured
+            return treedef.unflatten(out), state._replace(trace=new_trace)
+        crossed, slope, reach = dots[0], dots[1], dots[2]
+        change = state.slope - crossed - state.noise  # the gradient's change along the last step, its noise removed
+        secant = change / jnp.where(state.reach > 0, state.reach, 1.0)
+        resolved = jnp.abs(state.slope - crossed) > SECANT_RESOLUTION * (jnp.abs(state.slope) + jnp.abs(crossed))
+        measured = (state.reach > 0) & jnp.isfinite(secant) & (secant > 0) & resolved
+        curvature = jnp.where(measured, jnp.maximum(secant, CURVATURE_DECAY * state.curvature), state.curvature)
+        # E[(ξ_t − ξ_{t+1})·m_t] = weight·E‖ξ_t‖²: the noise the next secant subtracts (the smallest leaf's share)
+        step_weight = jnp.min(jnp.stack([e * w for e, (_, w) in zip(etas, coefficients, strict=True)]))
+        noise = step_weight * jnp.asarray(steps.noise, jnp.float32)
+        limit = _largest_gain(curvature, jnp.asarray(steps.next_learning_rate, jnp.float32), decay, nesterov)
+        scalars = (slope, reach, noise, curvature, limit)
+        old_scalars = (state.slope, state.reach, state.noise, state.curvature, state.limit)
+        scalars = _keeps_state.kept(steps.taken, scalars, old_scalars)
+        return treedef.unflatten(out), TraceState(new_trace, *scalars)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _unguarded_trace(
-    plain, decay: float, nesterov: bool, accumulator_dtype: Any
+    plain, decay: float, nesterov: bool, accumulator_dtype: Any, weight_decay: float
 ) -> optax.GradientTransformationExtraArgs:
     """The τ clock's trace without the guard's measurements (state ``optax.TraceState``): 0.3's ``clock="tau"``."""
 
     def update_fn(updates, state, params=None, **extra_args):
-        del params
-        gain = jnp.asarray(required(extra_args, "optax_adascale.trace").gain, jnp.float32)
+        steps = required(extra_args, "optax_adascale.trace")
+        updates = _with_weight_decay(updates, params, weight_decay)
+        gain = jnp.asarray(steps.gain, jnp.float32)
         keep, weight = _trace_coefficients(decay, gain)
         new = lambda g, t: _mix(weight, g, keep, t)  # noqa: E731
-        trace = _keeps_state.kept(
-            extra_args.get(_keeps_state.TAKEN), jax.tree.map(new, updates, state.trace), state.trace
-        )
+        trace = _keeps_state.kept(steps.taken, jax.tree.map(new, updates, state.trace), state.trace)
         out = jax.tree.map(new, updates, trace) if nesterov else trace
         return out, optax.TraceState(trace=optax.tree.cast(trace, accumulator_dtype))
 
     return optax.GradientTransformationExtraArgs(plain.init, update_fn)
 
 
-def _local_sums(parts: list[Array]) -> Array:
-    """The sum over leaves of their per-leaf scalars (replicated leaves: nothing to reduce across devices)."""
-    return jnp.sum(jnp.stack(parts), axis=0)
+def _with_weight_decay(updates: Any, params: Any, weight_decay: Any) -> Any:
+    """``g + λθ`` (PyTorch SGD's decay, added to the averaged gradient before the trace); ``g`` where ``λ`` is a
+    concrete 0 (``optax.inject_hyperparams`` makes it an array: the same arithmetic either way)."""
+    traced = _compat.is_tracer(weight_decay)
+    if not traced and float(weight_decay) == 0.0:
+        return updates
+    if params is None:
+        shown = "weight_decay (a hyperparameter of optax.inject_hyperparams)" if traced else "weight_decay > 0"
+        raise ValueError(f"{shown} needs params: call update(grads, opt_state, params)")
+    return jax.tree.map(lambda g, p: g + weight_decay * p, updates, params)
 
 
-def _stability(gain: Array, decay: Array, nesterov: Array) -> Array:
-    """The τ clock's step along a curvature ``h``, per ``lr·h`` and per half its stability limit: the update at gain
-    ``r`` is stable while ``lr·h`` times this is below 2.
+def _largest_gain(curvature: Array, lr: Array, decay: float, nesterov: bool) -> Array:
+    """The gain ``r ≥ 1`` at which the τ clock's step along ``curvature`` reaches ``2·GUARD_MARGIN`` (``+inf`` where
+    nothing is measured or ``lr = 0``).
 
     With ``k = β^r`` and ``w = (1 − β^r)/(1 − β)`` the update maps ``(x, m)`` along ``h`` linearly; Jury's conditions on
     that map give ``r·lr·h·w < 2(1 + k)`` for the heavy ball and ``r·lr·h·w < 2(1 + k)/(1 + 2k)`` for Nesterov (its
-    output adds the fresh gradient once more), so this is ``r·w·(1 + 2k·nesterov)/(1 + k)``.
+    output adds the fresh gradient once more). So the gain solves ``φ(r) = r·w·(1 + 2k·nesterov)/(1 + k) = B`` with
+    ``B = 2·GUARD_MARGIN/(lr·h)``. ``log φ`` is increasing and concave in ``log r`` (slope 2 for small ``r``, 1 for
+    large), so Newton's method from the lower bound ``max(√(B/c), B(1 − β)/c)`` (``c = 1 + nesterov``:
+    ``φ ≤ c·min(r², r/(1 − β))``) climbs to the root monotonically: a fixed, unrolled handful of steps. ``β = 0``:
+    ``φ(r) = r``.
     """
-    keep, fresh = _powers(decay, gain)
-    weight = jnp.where(decay > 0, fresh / (1.0 - decay), 1.0)
-    return gain * weight * (1.0 + 2.0 * keep * nesterov) / (1.0 + keep)
-
-
-def gain_limit(inner_state: Any, learning_rate: Array, last_gain: Array) -> Array:
-    """The largest gain the curvature measured by ``inner``'s :func:`trace` allows at ``learning_rate``.
-
-    The τ clock's update at gain ``r`` along a curvature ``h`` is stable while ``r·lr·h·(1 − β^r)/(1 − β) <
-    2(1 + β^r)`` (``docs/noise_scale.md``); the guard keeps it within ``GUARD_MARGIN`` of that: the gain ``r`` that
-    solves ``lr·h·r(1 − β^r)/((1 − β)(1 + β^r)) = 2·GUARD_MARGIN``, at least 1 (``+inf`` where nothing was measured
-    or the learning rate is 0), and at most ``GAIN_GROWTH·max(last_gain, 1)``; ``+inf`` where ``inner`` holds no
-    :class:`TraceState`. A scalar bisection (no pass over gradients).
-    """
-    found: list[TraceState] = []
-    _find(inner_state, found)
-    limit = jnp.full([], jnp.inf, jnp.float32)
-    lr = jnp.asarray(learning_rate, jnp.float32)
-    grown = jnp.maximum(jnp.asarray(last_gain, jnp.float32), 1.0) * GAIN_GROWTH
-    for node in found:
-        limit = jnp.minimum(limit, jnp.minimum(_largest_gain(node, lr, 2.0 * GUARD_MARGIN), grown))
-    return limit
-
-
-def _largest_gain(node: TraceState, lr: Array, reach: float) -> Array:
-    """The gain ``r ≥ 1`` at which the τ clock's step along ``curvature`` reaches ``reach`` (``_stability``, times
-    ``lr·h``); ``+inf`` where nothing was measured or ``lr = 0``. A scalar bisection on ``log r``."""
-    budget = reach / (lr * node.curvature)
-    active = (node.curvature > 0) & (lr > 0) & jnp.isfinite(budget)
+    budget = 2.0 * GUARD_MARGIN / (lr * curvature)
+    active = (curvature > 0) & (lr > 0) & jnp.isfinite(budget) & (budget > 0)
     budget = jnp.where(active, budget, 1.0)
+    traced = jnp.asarray(decay, jnp.float32)  # a hyperparameter of optax.inject_hyperparams: traced
+    beta = jnp.where(traced > 0, traced, 0.5)  # β = 0 (φ(r) = r) below, away from log 0
+    log_decay, nes = jnp.log(beta), float(nesterov)
 
-    def bisect(_, bounds):
-        lo, hi = bounds
-        mid = 0.5 * (lo + hi)
-        below = _stability(jnp.exp(mid), node.decay, node.nesterov) <= budget
-        return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
+    def log_phi(s):
+        x = jnp.exp(s) * log_decay
+        return s + jnp.log(-jnp.expm1(x)) - jnp.log1p(-beta) + jnp.log1p(2 * nes * jnp.exp(x)) - jnp.log1p(jnp.exp(x))
 
-    lo, _ = lax.fori_loop(0, 40, bisect, (jnp.float32(0), jnp.float32(24 * 0.6931472)))
-    return jnp.where(active, jnp.exp(lo), jnp.inf)
+    target, c = jnp.log(budget), 1.0 + nes
+    s = jnp.log(jnp.maximum(1.0, jnp.maximum(jnp.sqrt(budget / c), budget * (1.0 - beta) / c)))
+    for _ in range(NEWTON_STEPS):
+        value, slope = jax.value_and_grad(log_phi)(s)
+        s = jnp.maximum(s - (value - target) / slope, 0.0)
+    gain = jnp.where(log_phi(jnp.float32(0)) > target, 1.0, jnp.exp(s))
+    gain = jnp.where(traced > 0, gain, jnp.maximum(budget, 1.0))
+    return jnp.where(active, gain, jnp.inf)
 
 
-def _find(node: Any, found: list[TraceState]) -> None:
-    """Every :class:`TraceState` in an inner state (optax's chains, masks and named chains hold them as nodes)."""
-    if isinstance(node, TraceState):
-        found.append(node)
-        return
-    children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node and isinstance(x, TraceState))[0]
-    for child in children:
-        if isinstance(child, TraceState):
-            found.append(child)
+def _trace_states(inner_state: Any) -> list[TraceState]:
+    nodes = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, TraceState))
+    return [x for x in nodes if isinstance(x, TraceState)]
+
+
+def has_guard(inner_state: Any) -> bool:
+    """Whether ``inner`` holds a guarded τ-clock momentum (:class:`TraceState`): its gain is guarded."""
+    return bool(_trace_states(inner_state))
+
+
+def curvature(inner_state: Any) -> Array:
+    """The largest curvature ``inner``'s τ-clock momenta hold (0 where none is measured, or none is there)."""
+    states = _trace_states(inner_state)
+    return jnp.max(jnp.stack([x.curvature for x in states])) if states else jnp.zeros([], jnp.float32)
+
+
+def gain_limit(inner_state: Any) -> Array:
+    """The largest gain this update may apply by the curvature ``inner``'s :func:`trace` measured along its last
+    steps (``TraceState.limit``, the smallest where several traces are chained); ``+inf`` where ``inner`` holds no
+    :class:`TraceState`."""
+    limits = [x.limit for x in _trace_states(inner_state)]
+    return jnp.min(jnp.stack(limits)) if limits else jnp.full([], jnp.inf, jnp.float32)
 
 
 class ScaleByAdamState(NamedTuple):
@@ -418,7 +604,7 @@ def scale_by_adam(
       >>> import jax.numpy as jnp, optax_adascale
       >>> tx = optax_adascale.scale_by_adam()
       >>> state = tx.init(jnp.zeros(1))
-      >>> worth_four = optax_adascale.BaseSteps(gain=4.0, learning_rate=1e-3, noise=0.0)
+      >>> worth_four = optax_adascale.BaseSteps.by_hand(gain=4.0, learning_rate=1e-3)
       >>> u, state = tx.update(jnp.ones(1), state, base_steps=worth_four)
       >>> print(u.round(4))  # a constant gradient: Adam's direction 1, times 4^(-1/2)
       [0.5]
@@ -433,7 +619,7 @@ def scale_by_adam(
     def update_fn(updates, state, params=None, **extra_args):
         del params
         steps = required(extra_args, "optax_adascale.scale_by_adam")
-        taken = extra_args.get(_keeps_state.TAKEN)
+        taken = steps.taken
         leaves, treedef = jax.tree.flatten(updates)
         if jnp.ndim(steps.gain) != 0 or isinstance(steps.gain, (dict, list, tuple)):
             raise ValueError(

@@ -4,13 +4,13 @@ axes, one scalar-sized ``psum`` of the statistics over those axes. Which axes ar
 """
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale.core import _axes, _groups
+from optax_adascale.core import _axes, _clock, _groups
 from optax_adascale.core._norms import STAT_DTYPE, fused_sq_norms, leaf_sq_norm, low_precision
 
 Array = jax.Array
@@ -30,6 +30,12 @@ def statistic_keys(
 
 
 # --------------------------------------------------------------------------- the reduction
+class Guard(NamedTuple):
+    """What the guard's probe reads besides ``ḡ``: the guarded trace's buffer and the params, as leaf lists (the params
+    ``None`` where ``update`` was given none)."""
+
+    trace: list[Array]
+    params: list[Array] | None
 
 
 def reduce_statistics(
@@ -39,7 +45,8 @@ def reduce_statistics(
     groups: _groups.Groups,
     weights: Sequence[Array] | None = None,
     mean_sq: Sequence[Array] | None = None,
-) -> tuple[Any, Array, Array]:
+    guard: Guard | None = None,
+) -> tuple[Any, Array, Array, Array | None]:
     """The gradient's reduction, and ``‖ḡ‖²`` read straight off its output.
 
     One ``lax.psum`` of ``(grads, local_sq)`` over the data axes (XLA emits one
@@ -60,10 +67,14 @@ def reduce_statistics(
       weights: optional per-leaf multipliers ``P``: ``b = ‖P ⊙ ḡ‖²`` (preconditioned statistics).
       mean_sq: optional ``‖ḡ‖²`` per leaf taken where the samples were (the GSPMD drop-in): ``b`` comes from
         there, not from ``grads`` (which the user may have clipped or scaled); only without data axes.
+      guard: the guarded τ-clock trace's buffers and the params (:class:`Guard`), or ``None``: the guard's probe
+        (``_clock.probe_dots`` on a sample of ``ḡ``, read off the all-reduce's output, and of the buffers) is taken
+        here, and summed over the model axes in the statistics' own ``psum``.
 
     Returns:
-      ``(ḡ, a, b)``: the mean gradient, ``a`` = mean of the replicas' ``local_sq``
-      (float32 ``[G]``), ``b = ‖ḡ‖²`` per group (float32 ``[G]``).
+      ``(ḡ, a, b, probe)``: the mean gradient, ``a`` = mean of the replicas' ``local_sq``
+      (float32 ``[G]``), ``b = ‖ḡ‖²`` per group (float32 ``[G]``), the guard's probe (float32 ``[L, 6]``, or
+      ``None``).
     """
     weigh = (lambda x, i: x) if weights is None else (lambda x, i: x * weights[i])  # noqa: E731
     model = axes.model
@@ -74,8 +85,14 @@ def reduce_statistics(
             f"optimizer was built with axis_name={axes.name!r}: build it without axis_name for a jit step over the "
             "global batch."
         )
+    probe = None
     if not axes.data:
         mean, a = grads, local_sq
+        if guard is not None:  # partitioned over an Explicit mesh: per device, one psum; else the compiler's sums
+            leaves = jax.tree.leaves(grads)
+            probe = _clock.probe_dots_partitioned(leaves, guard.trace, guard.params)
+            if probe is None:
+                probe = _clock.probe_dots(leaves, guard.trace, guard.params)
         if mean_sq is not None:
             b_leaves = [jnp.asarray(b, STAT_DTYPE) for b in mean_sq]
         else:
@@ -93,7 +110,21 @@ def reduce_statistics(
         b_leaves = [r if lo else r / (n * n) for r, lo in zip(raw, low, strict=True)]
         mean = jax.tree.map(lambda s: s if low_precision(s) else s / n, sums)
         a = sq_sum / n
+        if guard is not None:  # a sample of the all-reduce's output buffer: ḡ = sums/n
+            sum_leaves = jax.tree.leaves(sums)
+            probe = jnp.stack(
+                [
+                    _clock.probe_dots(
+                        [s], [m], None if guard.params is None else [guard.params[i]], 1 if lo else 1 / n
+                    )[0]
+                    for i, (s, m, lo) in enumerate(zip(sum_leaves, guard.trace, low, strict=True))
+                ]
+            )
     b = groups.sums(model.mask(b_leaves))
     if model.axes:
-        a, b = model.psum((a, b))
-    return mean, a, b
+        if probe is None:
+            a, b = model.psum((a, b))
+        else:  # each leaf's probe counted once over the model axes it is replicated over, summed over its pieces
+            masked = jnp.stack(model.mask([row for row in probe])) if len(probe) else probe
+            a, b, probe = model.psum((a, b, masked))
+    return mean, a, b, probe

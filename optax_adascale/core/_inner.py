@@ -8,7 +8,7 @@ updates read (Adam's μ and ν: 11.0 MiB of temporaries per device against optax
 ``tests/sharding/test_skip_memory.py``'s MLP). Three ways keep the write in place, chosen per ``inner`` at trace time:
 
 * **inner selects** (:class:`~optax_adascale.core._keeps_state.KeepsStateOnSkip`: ``adascale_sgd``'s and
-  ``adascale_adamw``'s inner): it gets ``adascale_taken=ok`` and selects each state leaf where it computes it, so
+  ``adascale_adamw``'s inner): it gets ``base_steps.taken=ok`` and selects each state leaf where it computes it, so
   its updates read the state it writes, as optax's own step does (that MLP: 6.0 MiB).
 * **select** (every update leaf *is* a leaf of the new state, as ``optax.trace``'s momentum, or ``inner`` holds no
   array state beyond scalars, as ``optax.identity``): the updates are the *selected* state leaves. Identical where
@@ -25,6 +25,7 @@ crosses, and the copies stay (14.0 MiB). Not ``inner`` traced to a jaxpr and re-
 state leaf is written (the previous way, 6.0 MiB for any ``inner``): it needs JAX's private evaluator.
 """
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale.core import _checks, _keeps_state
+from optax_adascale.core import _checks, _clock, _keeps_state
 from optax_adascale.core._varying import fresh_zeros, match_varying
 
 Array = jax.Array
@@ -55,7 +56,8 @@ def run(inner: optax.GradientTransformationExtraArgs, ok: Array, grads, inner_st
     widen its state). The module docstring says how the choice stays copy-free.
     """
     if isinstance(inner, _keeps_state.KeepsStateOnSkip):  # selects where it writes (the aliases' inner)
-        updates, new_state = _update(inner, grads, inner_state, params, {**extra_args, _keeps_state.TAKEN: ok})
+        steps = dataclasses.replace(extra_args[_clock.KEYWORD], taken=ok)
+        updates, new_state = _update(inner, grads, inner_state, params, {**extra_args, _clock.KEYWORD: steps})
         return updates, _keep_dtypes(new_state, inner_state)
     updates, new_state = _update(inner, grads, inner_state, params, extra_args)
     if jax.tree.structure(new_state) != jax.tree.structure(inner_state):

@@ -1,14 +1,14 @@
 """The aliases' inner transformations, keeping their own state where AdaScale skips the update.
 
-``adascale_sgd`` and ``adascale_adamw`` run ``optax.trace`` and ``optax.scale_by_adam`` with one change: given the
-extra argument ``adascale_taken`` (a boolean scalar, False where the update is skipped), each selects
-``where(taken, new, old)`` for every state leaf *where it computes it*, and computes its update from the selected
-leaf. A donated state is then written in place and read after, as in optax's own step: no copy of the momentum or
+``adascale_sgd`` and ``adascale_adamw`` run ``optax.trace`` and ``optax.scale_by_adam`` with one change: given
+the field ``taken`` of the ``base_steps`` AdaScale passes (a boolean scalar, False where the update is skipped), each
+selects ``where(taken, new, old)`` for every state leaf *where it computes it*, and computes its update from the
+selected leaf. A donated state is then written in place and read after, as in optax's own step: no copy of the momentum or
 of Adam's μ and ν (``_inner``'s docstring says why a select after the whole of ``inner`` copies them).
 
 The arithmetic is optax 0.2.8's, line for line, through optax's public tree functions: where the update is taken
 the select returns the new value itself, so updates and state are those of ``optax.trace`` / ``optax.scale_by_adam``
-bit for bit (``tests/core/test_keeps_state.py``); without ``adascale_taken`` (``init``'s probes, the ZeRO stand-in
+bit for bit (``tests/core/test_keeps_state.py``); with ``taken`` ``None`` (``init``'s probes, the ZeRO stand-in
 check) they are exactly those transformations. Where the update is skipped, the updates read the old state and are
 thrown away by AdaScale's own select.
 """
@@ -19,13 +19,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-TAKEN = "adascale_taken"
-
 
 class KeepsStateOnSkip(optax.GradientTransformationExtraArgs):
-    """An ``inner`` whose every array state leaf is selected where it is written, given ``adascale_taken``.
+    """An ``inner`` whose every array state leaf is selected where it is written, given ``base_steps.taken``.
 
-    AdaScale passes ``adascale_taken`` to such an ``inner`` only, and uses its new state as the kept one.
+    AdaScale sets ``taken`` for such an ``inner`` only (``None`` for any other), and uses its new state as the kept
+    one.
     """
 
     __slots__ = ()
@@ -34,6 +33,11 @@ class KeepsStateOnSkip(optax.GradientTransformationExtraArgs):
 def keeps_state(inner: optax.GradientTransformation) -> KeepsStateOnSkip:
     """Mark ``inner`` (a chain of the transformations below and stateless ones) as keeping its state on a skip."""
     return KeepsStateOnSkip(*optax.with_extra_args_support(inner))
+
+
+def taken_of(extra_args: dict[str, Any]) -> Any:
+    """``base_steps.taken`` where AdaScale passed ``base_steps`` (``None`` where not: run by hand, as optax's)."""
+    return getattr(extra_args.get("base_steps"), "taken", None)
 
 
 def kept(taken: Any, new: Any, old: Any) -> Any:
@@ -60,7 +64,7 @@ def trace(decay: Any, nesterov: bool = False, accumulator_dtype: Any = None) -> 
         new_trace = jax.tree.map(
             lambda g, t: None if g is None else f(g, t), updates, state.trace, is_leaf=lambda g: g is None
         )
-        new_trace = kept(extra_args.get(TAKEN), new_trace, state.trace)
+        new_trace = kept(taken_of(extra_args), new_trace, state.trace)
         updates = jax.tree.map(f, updates, new_trace) if nesterov else new_trace
         return updates, optax.TraceState(trace=optax.tree.cast(new_trace, accumulator_dtype))
 
@@ -76,7 +80,7 @@ def scale_by_adam(
 
     def update_fn(updates, state, params=None, **extra_args):
         del params
-        taken = extra_args.get(TAKEN)
+        taken = taken_of(extra_args)
         mu = kept(taken, optax.tree.update_moment(updates, state.mu, b1, 1), state.mu)
         nu = kept(taken, optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2), state.nu)
         count_inc = kept(taken, optax.safe_increment(state.count), state.count)

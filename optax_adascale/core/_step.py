@@ -109,45 +109,92 @@ def _statistics(estimator: est.Settings, shape: Shape, a: Array, b: Array, state
     return _Statistics(count, weight, sqr_weight, grad_var, grad_sqr, gain, group_gains, floored, ok)
 
 
+class Reduced(NamedTuple):
+    """What the reduction strategy (``sharding/_reduce``) hands an update besides ``ḡ``, ``a`` and ``b``: the guard's
+    probe (``BaseSteps.probe``, ``None`` without a guarded trace), and how an ``inner`` takes the squared norm of a
+    tree whose leaves may be split over model axes or ZeRO rows (``BaseSteps.sq_norm``)."""
+
+    probe: Any = None
+    sq_norm: Any = _clock.local_sq_norm
+
+
 def _learning_rates(
-    update: Update, stats: _Statistics, tau_whole: Array, inner_state: Any, last_gain: Array
+    update: Update, shape: Shape, stats: _Statistics, state: Any
 ) -> tuple[_Statistics, Array, Array, Array, Array, Array]:
     """The gains after the τ clock's stability guard, ``lr(⌊τ⌋)``, the step ``r·lr``, each group's step, whether
     they are finite, whether ``lr < 0``.
 
-    A negative ``lr`` within float rounding of zero (``1e-6`` of the schedule's magnitude) is zero. The guard
-    (:func:`_clock.gain_limit`, from the curvature ``inner``'s τ-clock momentum measured along its last steps; ``+inf``
-    for any other ``inner``) caps the gain, and with it the credit ``τ`` is given: ``min(r, limit)`` is ``r`` bit for
-    bit wherever it does not bind.
+    A negative ``lr`` within float rounding of zero (``1e-6`` of the schedule's magnitude) is zero. The guard holds
+    where ``inner`` holds a τ-clock momentum (:func:`_clock.trace`): each gain (the global one and each group's) is
+    at most ``GAIN_GROWTH`` times its last applied value (at least 1), and at most the limit the curvature measured
+    along the last steps sets (:func:`_clock.gain_limit`); ``min`` is the estimated gain bit for bit wherever neither
+    binds. τ is credited with the gain applied.
     """
-    schedule = update.learning_rate
-    lr = jnp.asarray(schedule(tau_whole) if callable(schedule) else schedule, jnp.float32)
-    if update.lr_magnitude > 0:
-        lr = jnp.where((lr < 0) & (lr >= -1e-6 * update.lr_magnitude), jnp.zeros_like(lr), lr)
-    limit = _clock.gain_limit(inner_state, lr, last_gain)
-    stats = stats._replace(gain=jnp.minimum(stats.gain, limit), group_gains=jnp.minimum(stats.group_gains, limit))
+    lr = _schedule(update, state.tau_whole)
+    if _clock.has_guard(state.inner_state):
+        limit = _clock.gain_limit(state.inner_state)
+        last = shape.groups.unpack(state.group_gains) if shape.groups.labels is not None else state.gain
+        grown = jnp.float32(_clock.GAIN_GROWTH) * jnp.maximum(state.gain, 1.0)
+        grown_groups = jnp.float32(_clock.GAIN_GROWTH) * jnp.maximum(last, 1.0)
+        stats = stats._replace(
+            gain=jnp.minimum(stats.gain, jnp.minimum(grown, limit)),
+            group_gains=jnp.minimum(stats.group_gains, jnp.minimum(grown_groups, limit)),
+        )
     step_size = update.estimator.step_size(stats.gain, lr)
     group_steps = update.estimator.step_size(stats.group_gains, lr)
     finite = jnp.isfinite(step_size) & jnp.all(jnp.isfinite(group_steps))
     return stats, lr, step_size, group_steps, finite, finite & (lr < 0)
 
 
-def _base_steps(shape: Shape, stats: _Statistics, lr: Array, grads: Any, state: Any) -> _clock.BaseSteps:
-    """What this update tells an ``inner`` that counts base steps: its gain (each leaf its group's, with labels),
-    ``lr(⌊τ⌋)``, the expected squared norm ``σ̄²/S`` of the averaged gradient's noise, and the last applied update's
-    step ``r·lr`` (the state's). The noise reads the averages through the last update: an input of the program, so
-    every program that reaches the same state reads the same bits (this step's average is recomputed where it is
-    fused, 1 ulp apart between an accumulation and a ramp pinned at the same ``k``)."""
+def _schedule(update: Update, tau_whole: Array) -> Array:
+    """``lr(⌊τ⌋)`` in float32; a negative value within float rounding of zero is zero."""
+    schedule = update.learning_rate
+    lr = jnp.asarray(schedule(tau_whole) if callable(schedule) else schedule, jnp.float32)
+    if update.lr_magnitude > 0:
+        lr = jnp.where((lr < 0) & (lr >= -1e-6 * update.lr_magnitude), jnp.zeros_like(lr), lr)
+    return lr
+
+
+def _base_steps(
+    update: Update,
+    shape: Shape,
+    stats: _Statistics,
+    lr: Array,
+    group_steps: Array,
+    grads: Any,
+    state: Any,
+    reduced: Reduced,
+) -> _clock.BaseSteps:
+    """What this update tells every ``inner`` (:class:`_clock.BaseSteps`): its gain and step (each leaf its group's,
+    with labels), ``lr(⌊τ⌋)``, the last applied update's step (from the state: ``r^p·lr`` of its gain and learning
+    rate, 0 before the first), the next update's learning rate ``lr(⌊τ + r⌋)``, the expected squared norm ``σ̄²/S``
+    of the averaged gradient's noise, and the strategy's probe and squared norm. The noise reads the averages through
+    the last update: an input of the program, so every program that reaches the same state reads the same bits (this
+    step's average is recomputed where it is fused, 1 ulp apart between an accumulation and a ramp pinned at the same
+    ``k``).
+    ``taken`` is set by ``_inner.run``."""
     groups = shape.groups
     gain: Any = stats.gain
-    last: Any = state.gain * state.base_lr
+    step: Any = update.estimator.step_size(stats.gain, lr)
+    last: Any = update.estimator.step_size(state.gain, state.base_lr)
     if groups.labels is not None:
         treedef = jax.tree.structure(grads)
-        gain = treedef.unflatten([stats.group_gains[g] for g in groups.leaf_group])
-        last_gains = groups.unpack(state.group_gains)
-        last = treedef.unflatten([last_gains[g] * state.base_lr for g in groups.leaf_group])
+        last_steps = update.estimator.step_size(groups.unpack(state.group_gains), state.base_lr)
+        per_leaf = lambda v: treedef.unflatten([v[g] for g in groups.leaf_group])  # noqa: E731
+        gain, step, last = per_leaf(stats.group_gains), per_leaf(group_steps), per_leaf(last_steps)
+    next_whole, _ = est.advance_tau(state.tau_whole, state.tau_frac, stats.gain)
     noise = jnp.sum(groups.unpack(state.grad_var)) / jnp.asarray(shape.S, jnp.float32)
-    return _clock.BaseSteps(gain=gain, learning_rate=lr, noise=noise, last_step=last)
+    return _clock.BaseSteps(
+        gain=gain,
+        learning_rate=lr,
+        step=step,
+        last_step=last,
+        next_learning_rate=_schedule(update, next_whole),
+        noise=noise,
+        taken=None,
+        probe=reduced.probe,
+        sq_norm=reduced.sq_norm,
+    )
 
 
 def _scale_updates(leaves: list[Array], steps: Array, leaf_group: tuple[int, ...], ok: Array) -> list[Array]:
@@ -161,32 +208,31 @@ def _scale_updates(leaves: list[Array], steps: Array, leaf_group: tuple[int, ...
     return [scale(u, g) for u, g in zip(leaves, leaf_group, strict=True)]
 
 
-def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_args):
-    """One AdaScale update from reduced (replica-identical) statistics ``ḡ``, ``a``, ``b``.
+def apply(update: Update, shape: Shape, mean_grads, a, b, state, params, extra_args, reduced: Reduced | None = None):
+    """One AdaScale update from reduced (replica-identical) statistics ``ḡ``, ``a``, ``b`` and the strategy's
+    :class:`Reduced` (the guard's probe, the squared norm over split leaves).
 
     The accumulation buffers are the caller's business: they are set aside so
     that the skip's select never touches a gradient-sized buffer.
     """
+    reduced = Reduced() if reduced is None else reduced
     buffers = (state.acc_grads, state.acc_sq_norm)
     state = state._replace(acc_grads=None, acc_sq_norm=None)
-    groups = shape.groups
     with jax.named_scope("adascale/statistics"):
         stats = _statistics(update.estimator, shape, a, b, state)
     with jax.named_scope("adascale/learning_rate"):
-        stats, lr, step_size, group_steps, lr_finite, negative = _learning_rates(
-            update, stats, state.tau_whole, state.inner_state, state.gain
-        )
+        stats, lr, step_size, group_steps, lr_finite, negative = _learning_rates(update, shape, stats, state)
         ok = stats.ok & lr_finite & ~negative
         negative = stats.ok & negative  # the reason recorded: non-finite statistics take precedence
     # inner's update reads the state the skip keeps: selecting after inner made XLA copy every donated state buffer
     # (Adam's μ and ν) before writing it in place (_inner's docstring says how each inner avoids it).
     with jax.named_scope("adascale/inner"):
-        inner_args = dict(extra_args, **{_clock.KEYWORD: _base_steps(shape, stats, lr, mean_grads, state)})
+        steps = _base_steps(update, shape, stats, lr, group_steps, mean_grads, state, reduced)
         inner_updates, kept_inner_state = _inner.run(
-            update.inner, ok, mean_grads, state.inner_state, params, inner_args
+            update.inner, ok, mean_grads, state.inner_state, params, {**extra_args, _clock.KEYWORD: steps}
         )
     with jax.named_scope("adascale/scale_updates"):
-        scaled = _scale_updates(jax.tree.leaves(inner_updates), group_steps, groups.leaf_group, ok)
+        scaled = _scale_updates(jax.tree.leaves(inner_updates), group_steps, shape.groups.leaf_group, ok)
         new_updates = jax.tree.structure(inner_updates).unflatten(scaled)
     with jax.named_scope("adascale/state"):
         new_state = _next_state(shape, state, stats, lr, step_size, ok, negative)

@@ -12,8 +12,8 @@
 Each answers ``init_inner`` (the inner state's layout), ``for_samples`` (the strategy
 this call's samples take), ``check`` (what the call's axes and state must be) and
 ``step``. With parameters split over model axes, the
-``inner`` transformation sees shards and gets ``adascale_sq_norm``, the squared
-norm summed over them.
+``inner`` transformation sees shards and gets ``base_steps.sq_norm`` and
+``base_steps.sums``, which sum over them.
 """
 
 from __future__ import annotations
@@ -64,18 +64,22 @@ class AllReduce:
         samples: _samples.Samples,
     ):
         model = shape.axes.model
+        sq_norm = _clock.local_sq_norm
         if model.axes:  # inner sees each device's piece of a split leaf: it must be shard-safe
             _tensor.check_model_split(update.inner, local_grads, model)
-            extra_args = dict(
-                extra_args,
-                adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(local_grads), model),
-                **{_clock.SUMS: _tensor.sums_fn(model)},
-            )
+            sq_norm = _tensor.sq_norm_fn(jax.tree.structure(local_grads), model)
         with jax.named_scope("adascale/reduce"):
-            mean, a, b = _collect.reduce_statistics(
-                local_grads, local_sq, shape.axes, shape.groups, samples.weights, samples.mean_sq
+            mean, a, b, probe = _collect.reduce_statistics(
+                local_grads,
+                local_sq,
+                shape.axes,
+                shape.groups,
+                samples.weights,
+                samples.mean_sq,
+                _guard(state.inner_state, local_grads, params),
             )
-        new_updates, new_state = _step.apply(update, shape, mean, a, b, state, params, extra_args)
+        reduced = _step.Reduced(probe, sq_norm)
+        new_updates, new_state = _step.apply(update, shape, mean, a, b, state, params, extra_args, reduced)
         return new_updates, _samples.count_altered(a, state, new_state)
 
 
@@ -176,20 +180,23 @@ def _row_step(update: _step.Update, shape: _step.Shape, mean, local_sq, state, p
     axis, n = shape.axes.data, shape.axes.replicas
     groups, model = shape.groups, shape.axes.model
     b_local = groups.sums(model.mask([_norms.leaf_sq_norm(s) for s in jax.tree.leaves(mean)]))
-    a, b = lax.psum((local_sq / n, b_local), axis)
-    a, b = model.psum((a, b))
     lead = _local_lead(state.inner_state.rows)
     shard_state = state._replace(
         inner_state=jax.tree.map(
             lambda x: jnp.reshape(x, x.shape[len(lead) :]) if jnp.ndim(x) else x, state.inner_state.rows
         )
     )
-    extra = dict(
-        extra_args,
-        adascale_sq_norm=_tensor.sq_norm_fn(jax.tree.structure(mean), model, axis),
-        **{_clock.SUMS: _tensor.sums_fn(model, axis)},
-    )
-    row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra)
+    guard = _guard(shard_state.inner_state, mean, param_rows)
+    if guard is None:
+        a, b = lax.psum((local_sq / n, b_local), axis)
+        a, b = model.psum((a, b))
+        probe = None
+    else:  # the guard's probe on this replica's rows, summed over the rows in the statistics' own psum
+        local = _clock.probe_dots(jax.tree.leaves(mean), guard.trace, guard.params)
+        a, b, probe = lax.psum((local_sq / n, b_local, jnp.stack(model.mask(list(local)))), axis)
+        a, b, probe = model.psum((a, b, probe))
+    reduced = _step.Reduced(probe, _tensor.sq_norm_fn(jax.tree.structure(mean), model, axis))
+    row_updates, new_state = _step.apply(update, shape, mean, a, b, shard_state, param_rows, extra_args, reduced)
     new_state = _samples.count_altered(a, shard_state, new_state)
     new_rows = jax.tree.map(
         lambda x, old: jnp.reshape(x, old.shape) if jnp.ndim(old) else x,
@@ -197,6 +204,15 @@ def _row_step(update: _step.Update, shape: _step.Shape, mean, local_sq, state, p
         state.inner_state.rows,
     )
     return row_updates, new_state._replace(inner_state=_zero.ShardedInnerState(new_rows))
+
+
+def _guard(inner_state: Any, grads: Any, params: Any) -> _collect.Guard | None:
+    """The guarded τ-clock trace's buffer and the params as leaf lists shaped like ``grads``, or ``None``."""
+    trace = _clock.guarded_trace(inner_state)
+    if trace is None:
+        return None
+    treedef = jax.tree.structure(grads)
+    return _collect.Guard(treedef.flatten_up_to(trace), None if params is None else treedef.flatten_up_to(params))
 
 
 def _local_lead(rows: Any) -> tuple[int, ...]:

@@ -38,7 +38,7 @@ def elementwise(inner: optax.GradientTransformation) -> optax.GradientTransforma
     ``optax.scale_by_polyak``'s ``value``, or particular values) cannot be
     judged and is refused; declare it with this function if it is elementwise
     (``u_i`` depends on ``g_i``, ``p_i`` and its own state only) or shard-aware
-    (it reduces across leaves only through the ``adascale_sq_norm`` extra
+    (it reduces across leaves only through the ``base_steps.sq_norm``
     argument, as :func:`clip_by_global_norm` does). A wrong declaration gives
     wrong updates: nothing is checked.
 

@@ -22,7 +22,7 @@ AxisName = str | tuple[str, ...]
 
 
 def sq_norm_fn(treedef: Any, model: ModelAxes, data_axes: AxisName | None = None):
-    """The ``adascale_sq_norm`` extra argument handed to ``inner``: the whole ``‖x‖²`` of a tree of shards.
+    """``BaseSteps.sq_norm`` handed to ``inner``: the whole ``‖x‖²`` of a tree of shards.
 
     ``x`` is shaped like the gradients (``treedef``; a leaf may be a subtree
     such as optax's ``MaskedNode``, counted as its leaves). Each leaf's local
@@ -39,7 +39,7 @@ def sq_norm_fn(treedef: Any, model: ModelAxes, data_axes: AxisName | None = None
             parts = treedef.flatten_up_to(tree)
         except (ValueError, TypeError) as err:
             raise ValueError(
-                "adascale_sq_norm (the global squared norm AdaScale hands to inner) needs a tree shaped like "
+                "base_steps.sq_norm (the global squared norm AdaScale hands to inner) needs a tree shaped like "
                 f"the gradients {treedef}, got {jax.tree.structure(tree)}"
             ) from err
         values = [sum((leaf_sq_norm(x) for x in jax.tree.leaves(part)), zero()) for part in parts]
@@ -47,22 +47,6 @@ def sq_norm_fn(treedef: Any, model: ModelAxes, data_axes: AxisName | None = None
         return lax.psum(local, names) if names else local
 
     return sq_norm
-
-
-def sums_fn(model: ModelAxes, data_axes: AxisName | None = None):
-    """The global sum of per-leaf local scalars (each leaf's a vector), for the τ clock's guard (``core/_clock``).
-
-    Masked as :meth:`ModelAxes.mask` (a leaf replicated over a model axis counts once) and summed over the model axes
-    and ``data_axes`` (ZeRO's rows) in one ``psum`` of the stacked vector: one scalar-sized collective.
-    """
-    data = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes or ())
-    names = data + model.axes
-
-    def sums(parts: list[Array]) -> Array:
-        local = jnp.sum(jnp.stack(model.mask(parts)), axis=0)
-        return lax.psum(local, names) if names else local
-
-    return sums
 
 
 @contextlib.contextmanager
@@ -78,7 +62,7 @@ def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any, 
     Tensor parallelism hands ``inner`` each device's piece of a split leaf.
     On a stand-in (two elements per dimension, split leaves cut in two along
     their first dimension, a vmap axis standing for the model axes), ``inner``
-    runs whole and in pieces, with the ``adascale_sq_norm`` AdaScale gives it,
+    runs whole and in pieces, with the ``base_steps.sq_norm`` AdaScale gives it,
     at gradient magnitudes from ``1e-3`` to ``1e12``. ``optax.clip_by_global_norm``
     (each piece clipped by its own norm) fails this; :func:`optax_adascale.clip_by_global_norm`
     passes. An ``inner`` that cannot run on the stand-in is refused unless
@@ -95,7 +79,7 @@ def check_model_split(inner: optax.GradientTransformationExtraArgs, grads: Any, 
     in_axes = treedef.unflatten([0 if s else None for s in split])
 
     def piece(g, p):
-        return inner.update(g, inner.init(p), p, adascale_sq_norm=sq_norm_fn(treedef, probe), **_clock.probe_args())[0]
+        return inner.update(g, inner.init(p), p, **_clock.probe_args(sq_norm_fn(treedef, probe)))[0]
 
     def pieces(full_p: Any, whole_of):
         cut_p = treedef.unflatten([cut(x, s) for x, s in zip(jax.tree.leaves(full_p), split, strict=True)])

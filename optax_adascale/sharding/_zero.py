@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adascale.core import _axes, _clock, _norms
+from optax_adascale.core import _axes, _clock
 from optax_adascale.sharding import _stand_in, _tensor
 
 Array = jax.Array
@@ -108,7 +108,7 @@ def check_elementwise(inner: optax.GradientTransformationExtraArgs, params: Any,
 
         def one_row(g, s, p):
             sq_norm = _tensor.sq_norm_fn(jax.tree.structure(g), _axes.ModelAxes(), "zero_probe")
-            return inner.update(g, s, p, adascale_sq_norm=sq_norm, **_clock.probe_args())[0]
+            return inner.update(g, s, p, **_clock.probe_args(sq_norm))[0]
 
         axes = jax.tree.map(lambda x: 0 if jnp.ndim(x) else None, rows_state)
         rows_update = jax.vmap(one_row, in_axes=(0, axes, 0), axis_name="zero_probe")
@@ -190,9 +190,10 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
     Inside ``adascale(..., shard_optimizer_state=n)`` (each replica updates a
     ``1/n`` row) or with parameters split over model axes, a shard's own norm
-    is not the global one; AdaScale then hands ``inner`` the function that sums
-    squared norms over the shards (the extra argument ``adascale_sq_norm``),
-    and this transformation uses it. Elsewhere it is ``optax.clip_by_global_norm``.
+    is not the global one; AdaScale hands every ``inner`` the function that sums
+    squared norms over the shards (``base_steps.sq_norm``), and this
+    transformation uses it. Outside AdaScale (no ``base_steps``: every leaf whole)
+    it is ``optax.clip_by_global_norm``.
 
     Args:
       max_norm: the largest global norm allowed.
@@ -207,12 +208,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
       Array([0.6, 0.8], dtype=float32)
     """
 
-    def update_fn(updates, state, params=None, *, adascale_sq_norm=None, **extra_args):
+    def update_fn(updates, state, params=None, *, base_steps=None, **extra_args):
         del params, extra_args
-        if adascale_sq_norm is None:
-            sq = sum((_norms.leaf_sq_norm(u) for u in jax.tree.leaves(updates)), jnp.zeros([], jnp.float32))
-        else:
-            sq = adascale_sq_norm(updates)
+        sq = (_clock.local_sq_norm if base_steps is None else base_steps.sq_norm)(updates)
         norm = jnp.sqrt(sq)
         factor = jnp.where(norm < max_norm, 1.0, max_norm / jnp.where(norm > 0, norm, 1.0))
         return jax.tree.map(lambda u: (u * factor.astype(u.dtype)).astype(u.dtype), updates), state

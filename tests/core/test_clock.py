@@ -22,13 +22,10 @@ def _grads(seed, shape=(3,)):
     return jax.random.normal(jax.random.key(seed), shape)
 
 
-def _steps(gain, lr=0.1, noise=0.0, last_step=0.0):
-    """The keyword AdaScale hands an inner that counts base steps: an update worth ``gain`` base steps."""
-    return {
-        "base_steps": optax_adascale.BaseSteps(
-            jnp.float32(gain), jnp.float32(lr), jnp.float32(noise), jnp.float32(last_step)
-        )
-    }
+def _steps(gain, lr=0.1):
+    """The keyword AdaScale hands an inner that counts base steps: an update worth ``gain`` base steps, run by hand
+    (no statistics: the guard measures nothing)."""
+    return {"base_steps": optax_adascale.BaseSteps.by_hand(jnp.float32(gain), lr)}
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -231,40 +228,46 @@ def test_on_a_noisy_quadratic_the_expected_loss_of_updates_at_gain_r_is_the_clos
     assert np.all(np.abs(mean - np.asarray(predicted)) < 4 * se + 1e-5 * np.asarray(predicted)), (mean, predicted)
 
 
-# --------------------------------------------------------------------------- the stability guard
+# --------------------------------------------------------------------------- the stability guard, through adascale_sgd
 
 
-def _guarded_run(h, x0, lr, proposed, updates, *, guard=True, nesterov=False):
-    """AdaScale's step on the noise-free quadratic ``½ xᵀ diag(h) x`` with the gain ``proposed`` each update, as
-    ``core/_step`` applies it: the gain capped by ``gain_limit`` (given the last applied gain), the τ-clock trace,
-    ``x ← x − r·lr·m``. Returns the iterates and the applied (credited) gains."""
-    inner = _clock.trace(BETA, nesterov=nesterov, guard=guard)
-    state, x, last, last_step = inner.init(x0), x0, jnp.float32(1), jnp.float32(0)
-    xs, gains = [], []
-    for _ in range(updates):
-        r = jnp.float32(proposed)
-        if guard:
-            r = jnp.minimum(r, _clock.gain_limit(state, jnp.float32(lr), last))
-        d, state = inner.update(h * x, state, **_steps(r, lr, last_step=last_step))
-        x = x - r * lr * d
-        last_step = r * lr
-        xs.append(x)
-        gains.append(r)
-        last = r
-    return np.asarray(jnp.stack(xs)), np.asarray(jnp.stack(gains))
+def _run(h, x0, lr, n, noise, updates, *, nesterov=False, guard=True):
+    """``adascale_sgd`` on the quadratic ``½ Σ h_i x_i²`` with ``n`` vmap replicas whose gradients are ``h·x ± ξ``
+    (``ξ`` fixed, half the replicas ``+``, half ``−``: ``ḡ = h·x`` exactly, the noise seen only by the estimator,
+    which then proposes a gain above 1), ``updates`` updates in one ``lax.scan``. ``guard=False``: the same τ clock
+    without its guard (``optax_adascale.trace(..., guard=False)``). Returns the iterates and each update's metrics."""
+    if guard:
+        tx = optax_adascale.adascale_sgd(lr, momentum=BETA, nesterov=nesterov, axis_name="i")
+    else:
+        tx = optax_adascale.adascale(_clock.trace(BETA, nesterov=nesterov, guard=False), lr, axis_name="i")
+    sign = jnp.where(jnp.arange(n) % 2 == 0, 1.0, -1.0)[:, None]
+    update = replica_update(tx, jit=False)
+
+    def step(carry, _):
+        x, state = carry
+        u, state = update(h * x + sign * noise, state, x)
+        x = optax.apply_updates(x, u)
+        m = optax_adascale.metrics(state)
+        keys = ("gain", "estimated_gain", "gain_limit", "curvature", "grad_var", "scale_invariant_steps")
+        return (x, state), (x, {k: m[k] for k in keys})
+
+    (_, _), (xs, ms) = jax.jit(lambda x, s: jax.lax.scan(step, (x, s), length=updates))(x0, tx.init(x0))
+    return np.asarray(xs), jax.tree.map(np.asarray, ms)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_on_a_quadratic_the_guarded_step_converges_where_the_unguarded_one_diverges(nesterov):
-    """Known Hessian ``diag(1, 0.1, 0.01)``, gain 16 at lr 0.05: the τ clock's update is past its stability limit along
-    λ = 1 (r·lr·λ·(1 − β^r)/(1 − β) = 6.5 > 2(1 + β^r) = 2.4) and diverges; the guard measures λ along its steps and
-    caps the gain where the step lands on the minimum of that curvature: it converges."""
-    h, x0 = jnp.asarray([1.0, 0.1, 0.01]), jnp.ones(3)
-    unguarded, _ = _guarded_run(h, x0, 0.05, 16.0, 200, guard=False, nesterov=nesterov)
-    guarded, gains = _guarded_run(h, x0, 0.05, 16.0, 200, nesterov=nesterov)
-    assert not np.all(np.abs(unguarded[-1]) < 1.0)  # grown (large, inf or nan)
-    assert np.all(np.abs(guarded[-1]) < 1e-2), guarded[-1]
-    assert 1.0 <= gains[2:].min() and gains[2:].max() < 16.0  # once measured: above 1, below the unstable gain
+    """Known Hessian ``diag(1, 0.1, 0.01)``, 16 replicas whose noise makes the estimator propose a gain near 15 at lr
+    0.05: the τ clock's update is past its stability limit along λ = 1 (r·lr·λ·(1 − β^r)/(1 − β) > 2(1 + β^r)) and
+    diverges; the guard measures λ along its steps and caps the gain where the step lands on the minimum of that
+    curvature: it converges."""
+    h, x0 = jnp.asarray([1.0, 0.1, 0.01, 0.0]), jnp.asarray([1.0, 1.0, 1.0, 0.0])
+    noise = jnp.asarray([0.0, 0.0, 0.0, 30.0])  # on a flat direction: the mean gradient stays h·x
+    unguarded, m_off = _run(h, x0, 0.05, 16, noise, 200, nesterov=nesterov, guard=False)
+    guarded, m_on = _run(h, x0, 0.05, 16, noise, 200, nesterov=nesterov)
+    assert m_off["gain"].max() > 10 and not np.all(np.abs(unguarded[-1][:3]) < 1.0)  # grown (large, inf or nan)
+    assert np.all(np.abs(guarded[-1][:3]) < 5e-2) and abs(guarded[-1][0]) < 1e-3, guarded[-1]  # down from 1
+    assert 1.0 <= m_on["gain"][5:].min() and m_on["gain"][5:].max() < 14.0  # once measured: above 1, below unstable
 
 
 def _cap(lam, lr, beta=BETA):
@@ -280,39 +283,61 @@ def _cap(lam, lr, beta=BETA):
     return lo
 
 
-@pytest.mark.parametrize("lr, proposed", [(0.05, 16.0), (0.02, 40.0), (0.2, 3.0)])
-def test_the_credited_tau_is_the_closed_forms_sum_of_capped_gains(lr, proposed):
-    """1-D, noise-free: the secant along each step is the curvature λ exactly, so the applied gain is
-    ``min(R, 1.1·r_{t−1}, r_cap(λ))`` (``r_{−1} = 1``; ``r_cap``: half the stability limit, from the first
-    measurement on), and ``τ`` is their sum, to float32 rounding."""
-    lam, updates = 1.0, 25
-    _, gains = _guarded_run(jnp.asarray([lam]), jnp.ones(1), lr, proposed, updates)
-    expected, last = [], 1.0
+@pytest.mark.parametrize("lr", [0.05, 0.02, 0.2])
+def test_the_applied_gains_and_the_credited_tau_are_the_closed_forms(lr):
+    """1-D curvature λ = 1 (the other coordinate flat, carrying the replicas' noise): through ``adascale_sgd`` itself,
+    each applied gain is ``min(estimated gain, 1.1·max(r_{t−1}, 1), limit_{t−1})``, each limit the float64 closed
+    form ``r_cap`` at the curvature the guard holds, that curvature the float64 secant of the run's own steps (its
+    expected noise removed: ``σ̄²/S`` of the state before, times the weight ``(1 − β^r)/(1 − β)`` and the step), held
+    at its peak and halved by a lower one; τ the sum of the applied gains."""
+    h, x0, noise, updates = jnp.asarray([1.0, 0.0]), jnp.asarray([1.0, 0.0]), jnp.asarray([0.0, 3.0]), 40
+    xs, m = _run(h, x0, lr, 8, noise, updates)
+    xs = np.concatenate([np.asarray(x0)[None], xs]).astype(np.float64)
+    gains, est = m["gain"].astype(np.float64), m["estimated_gain"].astype(np.float64)
+    prev_gain, prev_limit, curv = 1.0, np.inf, 0.0
+    trace, slope, reach, noise_share = np.zeros(2), 0.0, 0.0, 0.0
     for t in range(updates):
-        r = min(proposed, _clock.GAIN_GROWTH * max(last, 1.0))  # from 1, at most 10 % an update
-        if t >= 2:  # the secant needs a step behind it: measured in update 2, read from update 3 on
-            r = min(r, _cap(lam, lr))
-        expected.append(r)
-        last = r
-    np.testing.assert_allclose(gains, expected, rtol=2e-5)
-    np.testing.assert_allclose(gains.sum(), np.sum(expected), rtol=2e-5)
+        r = gains[t]
+        np.testing.assert_allclose(r, min(est[t], 1.1 * max(prev_gain, 1.0), prev_limit), rtol=2e-6)
+        g = np.asarray(h, np.float64) * xs[t]  # ḡ: the replicas' noise cancels
+        crossed = lr * prev_gain * (g @ trace) if t else 0.0
+        if reach > 0:
+            secant = (slope - crossed - noise_share) / reach
+            if secant > 0 and abs(slope - crossed) > 1e-4 * (abs(slope) + abs(crossed)):
+                curv = max(secant, 0.5 * curv)
+        keep, weight = BETA**r, (1 - BETA**r) / (1 - BETA)
+        trace = keep * trace + weight * g
+        eta = lr * r
+        slope, reach = eta * (g @ trace), eta * eta * (trace @ trace)
+        noise_share = eta * weight * (m["grad_var"][t - 1] / 8 if t else 0.0)
+        np.testing.assert_allclose(m["curvature"][t], curv, rtol=2e-3, atol=1e-6)
+        expected_limit = _cap(curv, lr) if curv > 0 else np.inf
+        np.testing.assert_allclose(m["gain_limit"][t], expected_limit, rtol=2e-3)
+        prev_gain, prev_limit = r, m["gain_limit"][t]
+    assert np.isfinite(prev_limit) and gains.max() > gains[0]  # the cap was measured and the gain grew
+    np.testing.assert_allclose(m["scale_invariant_steps"][-1], gains.sum(), rtol=2e-6)
 
 
-def test_where_the_step_is_far_from_the_cap_and_the_gain_grows_slowly_the_guard_is_inert_bit_for_bit():
-    """lr·λ small (the cap at r ≈ 10⁴) and gains growing by 5 % an update: the guarded run is the unguarded one,
-    every iterate bit for bit (``min(r, limit)`` is ``r`` itself)."""
-    h, x0, lr = jnp.asarray([1.0, 0.1]), jnp.ones(2), 1e-4
-    inner, plain = _clock.trace(BETA), _clock.trace(BETA, guard=False)
-    s1, s2, x1, x2, last = inner.init(x0), plain.init(x0), x0, x0, jnp.float32(0)
-    for t in range(30):
-        r = jnp.float32(1.05**t)
-        limit = _clock.gain_limit(s1, jnp.float32(lr), jnp.maximum(last, 1.0))
-        assert float(limit) >= float(r)
-        g1 = jnp.minimum(r, limit)
-        d1, s1 = inner.update(h * x1, s1, **_steps(g1, lr, last_step=jnp.float32(lr) * last))
-        d2, s2 = plain.update(h * x2, s2, **_steps(r, lr))
-        x1, x2, last = x1 - g1 * lr * d1, x2 - r * lr * d2, g1
-        assert bits_equal(x1, x2)
+def test_where_the_step_is_far_from_the_cap_the_guard_is_inert_bit_for_bit():
+    """lr·λ small (the cap at r ≈ 10⁴): once past the growth limit's ramp, every applied gain is the estimated gain
+    itself (``min(r, limit)`` is ``r``, bit for bit)."""
+    h, x0, noise = jnp.asarray([1.0, 0.1, 0.0]), jnp.asarray([1.0, 1.0, 0.0]), jnp.asarray([0.0, 0.0, 3.0])
+    _, m = _run(h, x0, 1e-4, 8, noise, 60)
+    assert np.all(m["gain_limit"][2:] > 1e3)
+    ramp = np.maximum.accumulate(m["gain"]) >= m["estimated_gain"]  # the growth limit no longer binds
+    assert ramp[-20:].all() and bits_equal(m["gain"][-20:], m["estimated_gain"][-20:])
+
+
+def test_the_curvature_held_once_measured_survives_updates_that_measure_nothing():
+    """After a few measured secants, steps whose secant is below its float32 resolution (a vanishing gradient: the
+    loss at its minimum) or negative keep the curvature and the cap: the cap never fades because the steps stopped
+    measuring (it halves only by a lower measurement)."""
+    h, x0, noise = jnp.asarray([1.0, 0.0]), jnp.asarray([1.0, 0.0]), jnp.asarray([0.0, 3.0])
+    xs, m = _run(h, x0, 0.05, 8, noise, 400)
+    assert abs(xs[-1][0]) < 1e-6  # converged: the late secants measure nothing
+    measured = m["curvature"][m["curvature"] > 0]
+    assert measured.size and m["curvature"][-1] >= 0.5 * measured.max() * 0.5**0  # held, not faded
+    assert np.isfinite(m["gain_limit"][-1]) and m["gain"][-1] <= m["gain_limit"][-2] * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("gain", [2.0, 5.0])

@@ -1,6 +1,8 @@
 """The aliases' inner transformations (``core/_keeps_state.py``): optax's ``trace`` and ``scale_by_adam`` bit for
 bit where the update is taken, their old state kept where it is skipped."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import optax
 import pytest
 from helpers import bits_equal
 
+import optax_adascale
 from optax_adascale.core import _keeps_state
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4), "b": jnp.zeros(4, jnp.float32)}
@@ -30,6 +33,11 @@ PAIRS = {  # ours, optax's
 }
 
 
+def _taken(taken):
+    """The keyword AdaScale passes: ``base_steps`` with ``taken`` set (an update worth one base step)."""
+    return {"base_steps": dataclasses.replace(optax_adascale.BaseSteps.by_hand(1.0), taken=taken)}
+
+
 def _grads(t):
     rng = np.random.default_rng(t)
     return jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), PARAMS)
@@ -39,7 +47,7 @@ def _grads(t):
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 def test_a_taken_update_is_optaxs_bit_for_bit(pair, taken):
     ours, theirs = (make() for make in PAIRS[pair])
-    extra = {} if taken is None else {_keeps_state.TAKEN: jnp.bool_(taken)}
+    extra = {} if taken is None else _taken(jnp.bool_(taken))
     ours_update = jax.jit(lambda g, s: ours.update(g, s, PARAMS, **extra))
     theirs_update = jax.jit(lambda g, s: theirs.update(g, s, PARAMS))
     s_ours, s_theirs = ours.init(PARAMS), theirs.init(PARAMS)
@@ -53,7 +61,7 @@ def test_a_taken_update_is_optaxs_bit_for_bit(pair, taken):
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 def test_a_skipped_update_keeps_the_old_state_bit_for_bit(pair):
     ours, _ = (make() for make in PAIRS[pair])
-    update = jax.jit(lambda g, s, taken: ours.update(g, s, PARAMS, **{_keeps_state.TAKEN: taken}))
+    update = jax.jit(lambda g, s, taken: ours.update(g, s, PARAMS, **_taken(taken)))
     state = ours.init(PARAMS)
     for t in range(2):
         _, state = update(_grads(t), state, jnp.bool_(True))
@@ -68,5 +76,5 @@ def test_keeps_state_marks_a_chain_and_keeps_its_numbers():
     marked = _keeps_state.keeps_state(chain)
     assert isinstance(marked, _keeps_state.KeepsStateOnSkip)
     state = marked.init(PARAMS)
-    taken = {_keeps_state.TAKEN: jnp.bool_(True)}
+    taken = _taken(jnp.bool_(True))
     assert bits_equal(marked.update(_grads(0), state, PARAMS, **taken), chain.update(_grads(0), state, PARAMS))

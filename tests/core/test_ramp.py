@@ -487,9 +487,9 @@ def test_a_ramp_composes_with_the_other_options(variant):
     if "param_labels" in variant:
         for before, after in pairs:
             cap = _guard(before)
-            for label in ("a", "c"):
-                S = float(after.scale)
-                close(after.group_gains[label], min(_gain(after.grad_var[label], after.grad_sqr[label], S), cap))
+            for label in ("a", "c"):  # each group's growth from its own last gain
+                S, group_cap = float(after.scale), 1.1 * max(float(before.group_gains[label]), 1.0)
+                close(after.group_gains[label], min(_gain(after.grad_var[label], after.grad_sqr[label], S), group_cap))
             total = (sum(after.grad_var.values()), sum(after.grad_sqr.values()))
             close(after.gain, min(_gain(*total, float(after.scale)), cap))  # τ: the summed statistics' gain, capped
         one_label = dict(variant, param_labels={"w": "a", "b": "a"})

@@ -146,9 +146,9 @@ def test_leaf_sizes_are_not_all_divisible_by_the_replicas():
     sizes = [leaf.size for leaf in jax.tree.leaves(init_params())]
     assert any(size % N for size in sizes)
     rows = optax_adascale.get_adascale_state(zero_tx(True).init(init_params())).inner_state.rows
-    momentum = optax.tree.get(rows, "trace")  # the τ clock's TraceState: its 6 scalars are not rows
+    momentum = optax.tree.get(rows, "trace")  # the τ clock's TraceState: its 5 scalars are not rows
     assert [t.shape for t in jax.tree.leaves(momentum)] == [(N, -(-s // N)) for s in sizes]
-    assert [t.shape for t in jax.tree.leaves(rows) if t.ndim != 2] == [()] * 6
+    assert [t.shape for t in jax.tree.leaves(rows) if t.ndim != 2] == [()] * 5
 
 
 # --------------------------------------------------------------------------- FairScale's AdaScale(OSS) golden
@@ -203,7 +203,8 @@ def test_a_non_finite_replica_zeroes_the_update_on_every_replica(bad):
     jax.tree.map(np.testing.assert_array_equal, same, state)
 
 
-# The τ clock guard's all-reduce: its three dot products (core/_clock.py's trace) summed over the ZeRO rows.
+# An all-reduce of the τ clock guard's own (0.4.0 summed its three dot products over the ZeRO rows in one, after the
+# update): the guard's probe now rides the statistics' psum.
 GUARD_SUMS = re.compile(r"= f32\[3\]\{0\} all-reduce\(")
 
 
@@ -234,15 +235,16 @@ def test_reduce_scatter_and_all_gather_replace_the_gradient_all_reduce():
     assert counts["reduce-scatter"] >= 1 and counts["all-gather"] >= 1
     traffic = _hlo.collective_bytes(text, min_elements=2)
     replicated_traffic = _hlo.collective_bytes(compiled(False, params)[0].as_text(), min_elements=2)
-    # One scalar-sized psum of the statistics, and the default τ clock's guard: one psum of its three dot products
-    # summed over the rows (f32[3], core/_clock.py's SUMS), after the update (it cannot join the statistics').
-    assert traffic["small_all_reduces"] == 1 and counts["all-reduce"] == 2
-    assert len(GUARD_SUMS.findall(text)) == 1
+    # One scalar-sized psum of the statistics, the default τ clock guard's probe (six dot products per leaf on a
+    # sample of each row) riding in it: optax.sgd + pmean's one gradient reduction (here a reduce-scatter and an
+    # all-gather) and that psum, nothing else.
+    assert counts["all-reduce"] == 1 and not GUARD_SUMS.findall(text)  # (its size: the bytes below)
     grad_bytes = sum(4 * leaf.size for leaf in jax.tree.leaves(params))
     padded = sum(4 * N * -(-leaf.size // N) for leaf in jax.tree.leaves(params))
     # reduce-scatter results (1/n each) + all-gather results (the padded whole): one all-reduce's bytes,
-    # plus the statistics (a and b, one float32 each) and the guard's three float32.
-    assert traffic["large_bytes"] + traffic["small_bytes"] == padded // N + padded + 2 * 4 + 3 * 4
+    # plus the statistics (a and b, one float32 each) and the guard's probe (six float32 per leaf).
+    probe = 6 * 4 * len(jax.tree.leaves(params))
+    assert traffic["large_bytes"] + traffic["small_bytes"] == padded // N + padded + 2 * 4 + probe
     assert replicated_traffic["large_bytes"] == grad_bytes
     assert _hlo.count_host_callbacks(text) == 0
 
@@ -257,11 +259,11 @@ def test_per_device_state_is_a_row_of_the_replicated_state():
     inner_rep = sum(x.nbytes for x in jax.tree.leaves(rep.inner_state))
     inner_zero = per_device(state.inner_state)
     padding = sum(4 * (-(-leaf.size // N) - leaf.size / N) for leaf in jax.tree.leaves(params))
-    # The default τ clock's TraceState holds 6 float32 scalars besides the momentum (slope, reach, noise, curvature,
-    # decay, nesterov): O(1) state, replicated whole on every device, not split into rows.
+    # The default τ clock's TraceState holds 5 float32 scalars besides the momentum (slope, reach, noise, curvature,
+    # limit): O(1) state, replicated whole on every device, not split into rows.
     replicated = [x for x in jax.tree.leaves(state.inner_state) if x.ndim == 0]
-    assert len(replicated) == 6 and all(x.dtype == jnp.float32 for x in replicated)
-    scalars_bytes = 6 * 4
+    assert len(replicated) == 5 and all(x.dtype == jnp.float32 for x in replicated)
+    scalars_bytes = 5 * 4
     assert inner_zero <= (inner_rep - scalars_bytes) / N + scalars_bytes + padding + 1e-9
     scalars = per_device(state._replace(inner_state=None))
     assert scalars == sum(x.nbytes for x in jax.tree.leaves(rep._replace(inner_state=None))) <= 128
@@ -389,9 +391,10 @@ def test_fsdp_moves_one_all_gather_and_one_reduce_scatter_of_the_params_and_no_g
     text = _hlo.compiled_text(step, rows, state, x[0], y[0])
     counts = _hlo.count_collectives(text)
     assert counts["all-gather"] >= 1 and counts["reduce-scatter"] >= 1
-    # One scalar-sized psum of the statistics, and the τ clock guard's psum of its three dot products over the rows.
-    assert _hlo.collective_bytes(text, min_elements=2)["small_all_reduces"] == 1 and counts["all-reduce"] == 2
-    assert len(GUARD_SUMS.findall(text)) == 1
+    # One scalar-sized psum of the statistics, the τ clock guard's probe riding in it.
+    assert counts["all-reduce"] == 1 and not GUARD_SUMS.findall(text)
+    probe = 6 * len(jax.tree.leaves(rows))  # the statistics (2 floats) and the probe: scalar-sized
+    assert _hlo.collective_bytes(text, min_elements=2 + probe + 1)["small_all_reduces"] == 1
 
 
 def test_fsdp_statistics_without_sharded_state_are_an_error():
