@@ -3,8 +3,8 @@
 ``adascale_sgd`` and ``adascale_adamw`` run ``optax.trace`` and ``optax.scale_by_adam`` with one change: given
 the field ``taken`` of the ``base_steps`` AdaScale passes (a boolean scalar, False where the update is skipped), each
 selects ``where(taken, new, old)`` for every state leaf *where it computes it*, and computes its update from the
-selected leaf. A donated state is then written in place and read after, as in optax's own step: no copy of the momentum or
-of Adam's μ and ν (``_inner``'s docstring says why a select after the whole of ``inner`` copies them).
+selected leaf. A donated state is then written in place and read after, as in optax's own step: no copy of the
+momentum or of Adam's μ and ν (``_inner``'s docstring says why a select after the whole of ``inner`` copies them).
 
 The arithmetic is optax 0.2.8's, line for line, through optax's public tree functions: where the update is taken
 the select returns the new value itself, so updates and state are those of ``optax.trace`` / ``optax.scale_by_adam``
