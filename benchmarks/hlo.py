@@ -147,19 +147,31 @@ def _entry_instructions(text: str) -> list[tuple[str, str, str, list[str], str]]
     return out
 
 
+def _slices(op: str, line: str, comps: dict[str, list[str]]) -> bool:
+    """Whether an instruction is a slice, or a fusion whose computation slices: it reads the part it keeps."""
+    called = re.search(r"calls=%([\w.\-]+)", line)
+    return op == "slice" or bool(called and any(" slice(" in x for x in comps.get(called.group(1), [])))
+
+
 def passes_over(text: str, shape: str) -> dict[str, int]:
     """Memory passes over arrays of ``shape`` (e.g. ``"f32[1024,1024]"``) in the entry computation.
 
     Counts, for every instruction that does work (fusions, collectives, dots, copies; not
     parameters, tuples or bitcasts), how many of its operands have that shape (``reads``) and
-    how many of its results do (``writes``). Collectives count once per tuple element.
+    how many of its results do (``writes``). Collectives count once per tuple element. A slice
+    of such an array (a ``slice`` or a fusion whose computation slices, with a result of at most
+    1/8 of the array: the stability guard's strided samples) reads part of it, not a pass.
     """
     parsed = _entry_instructions(text)
+    comps, _ = _split(text)
     types = {name: result for name, result, *_ in parsed}
     target = shape.replace(" ", "")
+    whole = math.prod(int(d) for d in re.findall(r"\d+", target.split("[", 1)[1].split("]")[0]) or ["1"])
     reads = writes = 0
-    for _name, result, op, operands, _line in parsed:
+    for _name, result, op, operands, line in parsed:
         if op in _FREE:
+            continue
+        if _slices(op, line, comps) and sum(math.prod(dims) for _, dims in arrays(result)) * 8 <= whole:
             continue
         writes += len(re.findall(re.escape(target) + r"(?:\{|\b)", result.replace(" ", "")))
         for operand in operands:
@@ -175,15 +187,19 @@ def instruction_bytes(text: str, skip: tuple[str, ...] = ()) -> list[dict[str, A
     (e.g. ``("while",)`` to leave out a loop's body). One dict per instruction: ``name``, ``op``,
     ``kind`` (a fusion's kind, else ``""``), ``result`` (its type), ``op_name`` (the JAX
     source path from the metadata, with ``jax.named_scope`` scopes; ``""`` if none),
-    ``bytes_read`` (the sizes of its operands), ``bytes_written`` (of its result) and ``bytes``.
+    ``bytes_read`` (the sizes of its operands; a slice, or a fusion that slices with a result of at most 1/8 of its
+    operands, reads what it keeps: its result's size), ``bytes_written`` (of its result) and ``bytes``.
     """
     parsed = _entry_instructions(text)
+    comps, _ = _split(text)
     types = {name: result for name, result, *_ in parsed}
     rows = []
     for name, result, op, operands, line in parsed:
         if op in _WORKLESS or op in skip:
             continue
         read = sum(type_bytes(types.get(o, "")) for o in operands)
+        if _slices(op, line, comps) and 8 * type_bytes(result) <= read:  # reads what it keeps, not its operand
+            read = type_bytes(result)
         written = type_bytes(result)
         op_name = re.search(r'op_name="([^"]*)"', line)
         kind = re.search(r"kind=(\w+)", line)

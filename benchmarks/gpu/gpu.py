@@ -214,8 +214,9 @@ def _update_row(jax, jnp, optax, optax_adascale, args, leaf, n_leaves) -> dict:
         {
             "sgd": sgd,
             "floor": sgd,
-            "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, clock="update"),
-            "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True, clock="update"),
+            "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM),
+            "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True),
+            "update_clock": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, clock="update"),
         },
         "sgd",
     )
@@ -301,8 +302,8 @@ def microbatch_steps(jax, loss_fn, unroll, names) -> tuple[dict, dict]:
 
     all_txs = {
         "sgd": optax.sgd(LR, momentum=MOMENTUM),
-        "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, clock="update"),
-        "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True, clock="update"),
+        "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM),
+        "delayed": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, delayed_gain=True),
     }
     txs = {name: tx for name, tx in all_txs.items() if name in names}
     sgd_grad = _scan_mean_grad(jax, jax.numpy, loss_fn, K_MICRO, unroll)
@@ -351,6 +352,7 @@ def case_lm(jax, args) -> dict:
     batch = (tokens[:, :-1], tokens[:, 1:])
     loss_fn = make_lm_loss(jax, jnp, cfg, remat=False)
     meta = {"config": cfg, "tokens_per_step": B * cfg["seq"], "compute_dtype": "bfloat16", "master_dtype": "float32"}
+    meta["leaves"] = len(jax.tree.leaves(params0))
     row = microbatch_case(jax, args, loss_fn, params0, batch, unroll=1, meta=meta)
     exes, txs = row.pop("_exes"), row.pop("_txs")
     SHARED["lm_hlo"] = {name: exe.as_text() for name, exe in exes.items()}  # the profile case reads these
@@ -396,7 +398,7 @@ def case_lm_vmap(jax, args) -> dict:
         {
             "sgd": sgd,
             "floor": sgd,
-            "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, axis_name=AXIS, clock="update"),
+            "adascale": optax_adascale.adascale_sgd(LR, momentum=MOMENTUM, axis_name=AXIS),
         },
         "sgd",
     )

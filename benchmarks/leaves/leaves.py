@@ -164,7 +164,7 @@ def case_update(jax, args) -> dict:
     txs = {
         "sgd": sgd,
         "floor": sgd,
-        "adascale": optax_adascale.adascale_sgd(LR, momentum=0.9, axis_name=AXIS, clock="update"),
+        "adascale": optax_adascale.adascale_sgd(LR, momentum=0.9, axis_name=AXIS),
     }
 
     def make(name, tx):
@@ -209,7 +209,7 @@ def case_cnn(jax, args) -> dict:
     one = jax.devices()[0]
     txs = {
         "sgd": optax.sgd(LR, momentum=0.9),
-        "adascale": optax_adascale.adascale_sgd(LR, momentum=0.9, clock="update"),
+        "adascale": optax_adascale.adascale_sgd(LR, momentum=0.9),
     }
     sgd_grad = _scan_mean_grad(jax, jnp, loss_fn, k, 1)
     micro_grad = optax_adascale.value_and_grad(loss_fn, num_microbatches=k)
@@ -275,8 +275,8 @@ def case_dropin(jax, args) -> dict:
 
     txs = {
         "sgd": optax.sgd(LR, momentum=0.9),
-        "same_opt": optax_adascale.adascale_sgd(LR, momentum=0.9, clock="update"),
-        "dropin": optax_adascale.adascale_sgd(LR, momentum=0.9, clock="update"),
+        "same_opt": optax_adascale.adascale_sgd(LR, momentum=0.9),
+        "dropin": optax_adascale.adascale_sgd(LR, momentum=0.9),
     }
     drop_in = optax_adascale.value_and_grad(loss_fn, data_axes=AXIS)
 

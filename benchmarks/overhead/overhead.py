@@ -39,7 +39,19 @@ import numpy as np
 
 from benchmarks.harness import plots, report, timing
 
-VARIANTS = ("sgd", "floor", "floor_b", "adascale", "multi4", "acc4", "delayed", "sgd_zero", "zero_floor", "zero")
+VARIANTS = (
+    "sgd",
+    "floor",
+    "floor_b",
+    "adascale",
+    "update_clock",
+    "multi4",
+    "acc4",
+    "delayed",
+    "sgd_zero",
+    "zero_floor",
+    "zero",
+)
 SHARD_MAP_ONLY = ("sgd_zero", "zero_floor", "zero")
 AXIS = "data"
 _ratio = timing.fmt_ratio
@@ -144,20 +156,21 @@ def run_cell(jax, devices, mode: str, n_params: int, batch: int, args) -> dict:
         "sgd": (sgd, 1),
         "floor": (sgd, 1),
         "floor_b": (sgd, 1),
-        "adascale": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, clock="update"), 1),
+        "adascale": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS), 1),
+        "update_clock": (optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, clock="update"), 1),
         "multi4": (optax.MultiSteps(optax.sgd(lr, momentum=0.9), every_k_schedule=4), 4),
         "acc4": (
-            optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, accumulation_steps=4, clock="update"),
+            optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, accumulation_steps=4),
             4,
         ),
         "delayed": (
-            optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, delayed_gain=True, clock="update"),
+            optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, delayed_gain=True),
             1,
         ),
         "sgd_zero": (sgd, 1),
         "zero_floor": (sgd, 1),
         "zero": (
-            optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, shard_optimizer_state=n, clock="update"),
+            optax_adascale.adascale_sgd(lr, momentum=0.9, axis_name=AXIS, shard_optimizer_state=n),
             1,
         ),
     }

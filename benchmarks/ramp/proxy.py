@@ -96,9 +96,13 @@ def _as_optax(inner_state):
             return optax.ScaleByAdamState(count=x.count, mu=x.mu, nu=x.nu)
         return x
 
-    return jax.tree.map(
+    out = jax.tree.map(
         convert, inner_state, is_leaf=lambda x: isinstance(x, (_clock.TraceState, _clock.ScaleByAdamState))
     )
+    # SGD's τ clock adds the weight decay inside its trace (0.5): optax's chain has it as a stage of its own
+    if isinstance(out, tuple) and len(out) == 1 and isinstance(out[0], optax.TraceState):
+        out = (optax.EmptyState(), out[0])
+    return out
 
 
 @functools.cache

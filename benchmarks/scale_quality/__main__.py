@@ -35,6 +35,7 @@ def main(argv=None):
     parser.add_argument("--tasks", nargs="+", default=None)
     parser.add_argument("--methods", nargs="+", default=None, choices=sorted(engine.METHODS))
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: 8 small tasks, 2 large)")
+    parser.add_argument("--scales", type=int, nargs="+", default=None, help="only these S (default: the sweep's)")
     parser.add_argument("--report", action="store_true", help="report from cached cells only; run nothing")
     parser.add_argument("--tune", action="store_true", help="the learning-rate sweep at S = 2, then stop")
     parser.add_argument("--no-report", action="store_true", help="run the cells only")
@@ -50,6 +51,7 @@ def main(argv=None):
         cache, scales, mults = args.cache, (2, 4), (1.0,)
     else:
         cache, scales, mults = args.cache or HERE / "cells", scale_quality.SCALES, scale_quality.MULTS
+        scales = tuple(args.scales) if args.scales else scales
     all_tasks = make_tasks(smoke=args.smoke)
     default_tasks = ("quadratic", "lm_adamw") if args.smoke else all_tasks
     tasks = [all_tasks[n] for n in (args.tasks or default_tasks)]
@@ -63,9 +65,8 @@ def main(argv=None):
     for task in tasks:
         seeds = list(range(args.seeds or (1 if args.smoke else scale_quality.SEEDS[task.name])))
         task_methods = methods if task.name in scale_quality.DIAGNOSED and not args.smoke else scale_quality.METHODS
-        task_scales = (
-            (*scales, scale_quality.LARGEST) if task.name in scale_quality.AT_LARGEST and not args.smoke else scales
-        )
+        largest = task.name in scale_quality.AT_LARGEST and not args.smoke and not args.scales
+        task_scales = (*scales, scale_quality.LARGEST) if largest else scales
         records += scale_quality.run_grid(
             [task],
             [m for m in task_methods if m in methods],

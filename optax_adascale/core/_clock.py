@@ -67,12 +67,12 @@ SECANT_RESOLUTION = 1e-4
 GAIN_GROWTH = 1.1
 # The guard's dot products read a strided sample of each leaf of more than SAMPLE_MIN elements, about SAMPLE_SIZE
 # of them, scaled to the whole leaf: power-of-two strides dividing each dimension's local size, taken from the
-# first dimension on (the sampled rows of a matrix are contiguous; a stride is at most 1/64 of its dimension, so a
-# sharded dimension's shards keep whole strides where the type does not say how it is split). 8 KB per buffer and
-# leaf where a pass over the gradient and the momentum would read them whole (benchmarks/overhead: XLA's cost
-# model charges 0.06 words per parameter for the three buffers of a 1M-parameter model).
-SAMPLE_MIN = 1 << 13
-SAMPLE_SIZE = 1 << 11
+# first dimension on (the sampled rows of a matrix are contiguous; where the type does not say how a dimension is
+# split, a stride is at most 1/16 of it, so that a 16-way shard keeps whole strides). 4 KB per buffer and leaf, all
+# six dot products in one pass over the three samples, where a pass over the gradient, the momentum and the params
+# would read them whole.
+SAMPLE_MIN = 1 << 11
+SAMPLE_SIZE = 1 << 9
 # Newton steps on the stability limit (``_largest_gain``), unrolled: 3 reach float32 accuracy from the lower bound
 # it starts at (checked against a 200-step bisection over β ∈ [0.5, 0.999], Nesterov or not, budgets 1e-2 to 1e9).
 NEWTON_STEPS = 4
@@ -220,7 +220,10 @@ def _local_shape(x: Array) -> tuple[tuple[int, ...], bool]:
     spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
     if spec is None or mesh is None or getattr(mesh, "empty", True):
         return tuple(x.shape), True
-    if set(mesh.axis_types) != {jax.sharding.AxisType.Explicit}:
+    kinds = set(mesh.axis_types)
+    if kinds == {jax.sharding.AxisType.Manual}:  # inside a shard_map over every axis: a local block
+        return tuple(x.shape), True
+    if kinds != {jax.sharding.AxisType.Explicit}:
         return tuple(x.shape), False
     sizes = dict(mesh.shape)
     out = []
@@ -272,30 +275,60 @@ def probe_dots(grads: list[Array], trace: list[Array], params: list[Array] | Non
     """Per leaf, ``(ḡ·m, ‖ḡ‖², ḡ·θ, ‖m‖², m·θ, ‖θ‖²)`` on a strided sample of each buffer (the same positions in each,
     :func:`_sample`), scaled to the whole leaf: float32 ``[L, 6]`` (the θ terms 0 without ``params``). ``grads``:
     buffers ``1/scale`` times the averaged gradient (an all-reduce's output, so that the sample is a slice of that
-    buffer). Each device's own pieces: summing over the pieces of a split leaf is the caller's (its statistics'
-    reduction)."""
+    buffer). The samples of the leaves of one dtype, one varying type (under ``shard_map``) and one power-of-two
+    length are stacked, padded with zeros, and reduced together: a variadic reduction per such bucket, not one per
+    leaf. Each device's own pieces: summing
+    over the pieces of a split leaf is the caller's (its statistics' reduction)."""
+    if not grads:
+        return jnp.zeros((0, 6), jnp.float32)
+    sets, factors = [], []
+    for i, (g, m) in enumerate(zip(grads, trace, strict=True)):
+        strides = _strides(g)
+        buffers = [g, m] if params is None else [g, m, params[i]]
+        sampled = [_sample(x, strides).reshape(-1) for x in buffers]
+        factors.append(math.prod(g.shape) / sampled[0].shape[0])
+        sets.append(sampled)
+    pairs = [(0, 1), (0, 0), (1, 1)] if params is None else [(0, 1), (0, 0), (0, 2), (1, 1), (1, 2), (2, 2)]
+    buckets: dict[Any, list[int]] = {}
+    for i, sampled in enumerate(sets):  # padded to the next power of two: at most twice each sample
+        width = 1 << max(sampled[0].shape[0] - 1, 0).bit_length()
+        key = (_norms.compute_dtype(jnp.result_type(*sampled)), _compat.varying_axes(sampled[0]), width)
+        buckets.setdefault(key, []).append(i)
+    dots: list[Any] = [None] * len(sets)
+    for (_, _, width), members in buckets.items():
+        pad = lambda x: jnp.pad(x, (0, width - x.shape[0]))  # noqa: E731
+        stacked = [jnp.stack([pad(sets[i][j]) for i in members]) for j in range(len(sets[members[0]]))]
+        sums = _norms.gram_dots(stacked, pairs, axis=1)
+        for row, i in enumerate(members):
+            dots[i] = [x[row] for x in sums]
     scale = jnp.asarray(scale, jnp.float32)
     zero = jnp.zeros([], jnp.float32)
     rows = []
-    for i, (g, m) in enumerate(zip(grads, trace, strict=True)):
-        strides = _strides(g)
-        factor = math.prod(g.shape) / math.prod(_sample(g, strides).shape)
-        gs, ms = _sample(g, strides), _sample(m, strides)
-        gm, gg, mm = _norms.leaf_dots([(gs, ms), (gs, gs), (ms, ms)])
-        gt = mt = tt = zero
-        if params is not None:
-            ts = _sample(params[i], strides)
-            gt, mt, tt = _norms.leaf_dots([(gs, ts), (ms, ts), (ts, ts)])
+    for values, factor in zip(dots, factors, strict=True):
+        if params is None:
+            gm, gg, mm = values
+            gt = mt = tt = zero
+        else:
+            gm, gg, gt, mm, mt, tt = values
         rows.append(factor * jnp.stack([scale * gm, scale * scale * gg, scale * gt, mm, mt, tt]))
-    return jnp.stack(rows) if rows else jnp.zeros((0, 6), jnp.float32)
+    return jnp.stack(rows)
 
 
-def probe_dots_partitioned(grads: list[Array], trace: list[Array], params: list[Array] | None) -> Array | None:
-    """:func:`probe_dots` of leaves a jit step partitions over an Explicit mesh (their types say how), in one
-    ``shard_map`` over the whole mesh: each device's sample of its own blocks, a block replicated over an axis counted
-    once (index 0 along it), then one ``psum`` over every axis. Its all-reduce spans every device, as the GSPMD
-    drop-in's statistics' does, and depends on nothing the update writes: XLA combines the two. ``None`` where the
-    leaves' types name no Explicit mesh (the compiler's own reductions then)."""
+def probe_dots_partitioned(
+    grads: list[Array], trace: list[Array], params: list[Array] | None, specs: Any = None
+) -> Array | None:
+    """:func:`probe_dots` of leaves a jit step partitions over a mesh, in one ``shard_map`` over the whole mesh: each
+    device's sample of its own blocks, a block replicated over an axis counted once (index 0 along it), then one
+    ``psum`` over every axis. Its all-reduce spans every device, as the GSPMD drop-in's statistics' does, and depends
+    on nothing the update writes: XLA combines the two. The layout is the leaves' types' on an Explicit mesh, or
+    ``specs`` (per leaf, the drop-in's ``param_specs``) on one with Auto axes; ``None`` where neither says it (the
+    compiler's own reductions then)."""
+    if specs is not None:  # an Auto mesh: the buffers laid out as the gradients are
+        mesh = jax.sharding.get_abstract_mesh()
+        if getattr(mesh, "empty", True) or len(specs) != len(grads):
+            return None
+        specs = [*specs, *specs, *(specs if params is not None else [])]
+        return _probe_on_mesh(mesh, specs, grads, trace, params)
     sharding = [getattr(jax.typeof(x), "sharding", None) for x in [*grads, *trace, *(params or [])]]
     meshes = {getattr(sh, "mesh", None) for sh in sharding}
     if len(meshes) != 1 or any(getattr(sh, "spec", None) is None for sh in sharding):
@@ -303,8 +336,11 @@ def probe_dots_partitioned(grads: list[Array], trace: list[Array], params: list[
     (mesh,) = meshes
     if mesh is None or getattr(mesh, "empty", True) or set(mesh.axis_types) != {jax.sharding.AxisType.Explicit}:
         return None
+    return _probe_on_mesh(mesh, [getattr(sh, "spec") for sh in sharding], grads, trace, params)
+
+
+def _probe_on_mesh(mesh: Any, specs: list[Any], grads: list[Array], trace: list[Array], params: Any) -> Array:
     axes = tuple(mesh.axis_names)
-    specs = [sh.spec for sh in sharding]
     n = len(grads)
 
     def body(*blocks):

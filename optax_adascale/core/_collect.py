@@ -30,6 +30,21 @@ def statistic_keys(
 
 
 # --------------------------------------------------------------------------- the reduction
+def _probe_of_sums(sums: list[Array], low: list[bool], guard: "Guard", n: Any) -> Array:
+    """:func:`_clock.probe_dots` of ``ḡ`` read off the all-reduce's output ``sums`` (``ḡ = sums/n``; a 16-bit float
+    leaf was divided before the sum), the leaves of each kind in one call (one reduction per dtype)."""
+    rows: list[Any] = [None] * len(sums)
+    for lows, divisor in ((False, 1 / n), (True, 1.0)):
+        idx = [i for i, lo in enumerate(low) if lo == lows]
+        if not idx:
+            continue
+        params = None if guard.params is None else [guard.params[i] for i in idx]
+        dots = _clock.probe_dots([sums[i] for i in idx], [guard.trace[i] for i in idx], params, divisor)
+        for row, i in enumerate(idx):
+            rows[i] = dots[row]
+    return jnp.stack(rows)
+
+
 class Guard(NamedTuple):
     """What the guard's probe reads besides ``ḡ``: the guarded trace's buffer and the params, as leaf lists (the params
     ``None`` where ``update`` was given none)."""
@@ -46,6 +61,7 @@ def reduce_statistics(
     weights: Sequence[Array] | None = None,
     mean_sq: Sequence[Array] | None = None,
     guard: Guard | None = None,
+    specs: Sequence[Any] | None = None,
 ) -> tuple[Any, Array, Array, Array | None]:
     """The gradient's reduction, and ``‖ḡ‖²`` read straight off its output.
 
@@ -70,6 +86,7 @@ def reduce_statistics(
       guard: the guarded τ-clock trace's buffers and the params (:class:`Guard`), or ``None``: the guard's probe
         (``_clock.probe_dots`` on a sample of ``ḡ``, read off the all-reduce's output, and of the buffers) is taken
         here, and summed over the model axes in the statistics' own ``psum``.
+      specs: the gradients' layout on a mesh with Auto axes (the drop-in's), or ``None``.
 
     Returns:
       ``(ḡ, a, b, probe)``: the mean gradient, ``a`` = mean of the replicas' ``local_sq``
@@ -90,7 +107,7 @@ def reduce_statistics(
         mean, a = grads, local_sq
         if guard is not None:  # partitioned over an Explicit mesh: per device, one psum; else the compiler's sums
             leaves = jax.tree.leaves(grads)
-            probe = _clock.probe_dots_partitioned(leaves, guard.trace, guard.params)
+            probe = _clock.probe_dots_partitioned(leaves, guard.trace, guard.params, specs)
             if probe is None:
                 probe = _clock.probe_dots(leaves, guard.trace, guard.params)
         if mean_sq is not None:
@@ -110,16 +127,8 @@ def reduce_statistics(
         b_leaves = [r if lo else r / (n * n) for r, lo in zip(raw, low, strict=True)]
         mean = jax.tree.map(lambda s: s if low_precision(s) else s / n, sums)
         a = sq_sum / n
-        if guard is not None:  # a sample of the all-reduce's output buffer: ḡ = sums/n
-            sum_leaves = jax.tree.leaves(sums)
-            probe = jnp.stack(
-                [
-                    _clock.probe_dots(
-                        [s], [m], None if guard.params is None else [guard.params[i]], 1 if lo else 1 / n
-                    )[0]
-                    for i, (s, m, lo) in enumerate(zip(sum_leaves, guard.trace, low, strict=True))
-                ]
-            )
+        if guard is not None:  # a sample of the all-reduce's output buffer: ḡ = sums/n (16-bit floats: divided before)
+            probe = _probe_of_sums(jax.tree.leaves(sums), low, guard, n)
     b = groups.sums(model.mask(b_leaves))
     if model.axes:
         if probe is None:

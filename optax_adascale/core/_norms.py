@@ -115,6 +115,19 @@ def leaf_dots(pairs: Sequence[tuple[Array, Array]]) -> list[Array]:
     return out
 
 
+def gram_dots(arrays: Sequence[Array], pairs: Sequence[tuple[int, int]], axis: int | None = None) -> list[Array]:
+    """``Σ x_i·x_j`` (float32) for each pair ``(i, j)`` of ``arrays`` (one shape, real), over ``axis`` (``None``: every
+    element), in one variadic reduction: each array read once, however many pairs it is in (six separate
+    multiply-reduces over three arrays read each three times)."""
+    dtype = compute_dtype(jnp.result_type(*arrays))
+    xs = [x.astype(dtype) if axis is not None else x.astype(dtype).reshape(-1) for x in arrays]
+    products = [xs[i] * xs[j] for i, j in pairs]
+    zero = jnp.zeros([], dtype)
+    dims = (0,) if axis is None else (axis,)
+    sums = jax.lax.reduce(products, [zero] * len(products), lambda a, b: [u + v for u, v in zip(a, b)], dims)
+    return [x.astype(STAT_DTYPE) for x in sums]
+
+
 def low_precision(x: Array) -> bool:
     """16-bit floats: divided by ``n`` before a sum so that values near their maximum cannot overflow."""
     return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits <= 16

@@ -62,6 +62,9 @@ class MicrobatchStats:
         ``a``'s clip and inflate the variance, so the update is skipped on every replica (``metrics()``'s
         ``skipped_altered_grads_steps``; :func:`done` raises naming the fix: clip inside ``inner``).
         Statistics built by hand are checked the same way when they carry it.
+      specs: static; ``None``, or per leaf (in ``jax.tree.leaves`` order) the ``PartitionSpec`` the gradients are
+        laid out by on a mesh with Auto axes (the drop-in's ``param_specs``), where their types do not say it: the
+        stability guard takes its statistics on each device's blocks by them (``_clock.probe_dots_partitioned``).
     """
 
     sq_norms: Any
@@ -70,6 +73,7 @@ class MicrobatchStats:
     mean_sq_norms: Any = None
     rows: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
     grad_sq_norms: Any = None
+    specs: tuple[Any, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,7 @@ class Samples:
         ``None``: then the reduction computes it from the gradients.
       rows: the gradients are ZeRO rows already reduce-scattered (FSDP probes).
       weights: the preconditioner's per-leaf multipliers, or ``None``.
+      specs: the gradients' layout on a mesh with Auto axes (:attr:`MicrobatchStats.specs`), or ``None``.
       altered: ``None``, or a traced bool (this replica's): the gradients given are not those the statistics
         measured, their ``Σ‖g‖²`` off by more than :data:`ALTERED_RTOL` of ``Σ grad_sq_norms`` (or, accumulating
         the drop-in's statistics, of ``Σ mean_sq_norms``): clipped, scaled or otherwise changed between
@@ -98,6 +103,7 @@ class Samples:
     rows: bool = False
     weights: list[Array] | None = None
     altered: Array | None = None
+    specs: tuple[Any, ...] | None = None
 
     @classmethod
     def of(
@@ -143,7 +149,7 @@ class Samples:
         if microbatch_stats.grad_sq_norms is not None and mean_sq is None:  # b comes from these gradients
             given = _altered(jax.tree.leaves(grads), _leaves(treedef, microbatch_stats.grad_sq_norms, "grad_sq_norms"))
             altered = given if altered is None else altered | given
-        return cls(sq, microbatch_stats.num_microbatches, mean_sq, rows, weights, altered)
+        return cls(sq, microbatch_stats.num_microbatches, mean_sq, rows, weights, altered, microbatch_stats.specs)
 
 
 # The gradients given to an accumulating update are the drop-in's when their total squared norm is within this

@@ -78,7 +78,10 @@ def run(loss_fn, has_aux, layout: Layout, params, args, trace=None, unroll=1, n_
     sums = _stats.totals(layout, jnp.concatenate([sq, b_sq]))
     m = len(leaves)
     a = sums[:m] * (layout.n / (k * k))
-    stats = MicrobatchStats(treedef.unflatten(list(a)), layout.n, mean_sq_norms=treedef.unflatten(list(sums[m:])))
+    specs = tuple(leaf.spec for leaf in info) if layout.convert else None  # an Auto mesh's types do not say it
+    stats = MicrobatchStats(
+        treedef.unflatten(list(a)), layout.n, mean_sq_norms=treedef.unflatten(list(sums[m:])), specs=specs
+    )
     value = (value, aux) if has_aux else value
     return value, treedef.unflatten(grads), stats
 

@@ -263,8 +263,28 @@ class Interpreter:
             out = self.eval(body, body_consts, [*consts, *carry, *x], inner_lin)
             return out[:ncarry], out[ncarry:]
 
-        carry, ys = lax.scan(step, list(init), list(xs), length=length, reverse=reverse, unroll=unroll)
+        init = self.carry_as_the_body_makes_it(step, list(init), list(xs)) if self.convert else list(init)
+        carry, ys = lax.scan(step, init, list(xs), length=length, reverse=reverse, unroll=unroll)
         return [*carry, *ys]
+
+    def carry_as_the_body_makes_it(self, step, init: list[Any], xs: list[Any]) -> list[Any]:
+        """A scan's initial carry laid out as its body returns it, on a converted Auto mesh: a carry the loss starts
+        unsharded (a recurrent layer's zero state, ``jnp.zeros((batch, hidden))``: Flax's ``initialize_carry``) and
+        the body returns split over the data axes (it mixes in the rows) is one type on the Auto mesh the loss was
+        traced on (GSPMD decides the layout), two on the Explicit one it runs on; the carry is resharded as the body
+        makes it, until the two agree (a fixed point in one or two rounds)."""
+        slices = jax.eval_shape(lambda xs: [x[0] for x in xs], xs) if xs else []
+        for _ in range(3):
+            out = jax.eval_shape(lambda c, x: step(c, x)[0], init, slices)
+            specs = [getattr(getattr(o, "sharding", None), "spec", None) for o in out]
+            changed = False
+            for i, (c, spec) in enumerate(zip(init, specs, strict=True)):
+                if spec is not None and _types.is_array(c) and tuple(spec) != tuple(_types.partitions(c)):
+                    init[i] = jax.reshard(c, spec)
+                    changed = True
+            if not changed:
+                break
+        return init
 
     def while_loop(self, eqn, invals, lineage):
         """``while``: JAX cannot transpose one, so no gradient reaches a parameter through it; its cond and body

@@ -77,6 +77,7 @@ class AllReduce:
                 samples.weights,
                 samples.mean_sq,
                 _guard(state.inner_state, local_grads, params),
+                samples.specs,
             )
         reduced = _step.Reduced(probe, sq_norm)
         new_updates, new_state = _step.apply(update, shape, mean, a, b, state, params, extra_args, reduced)
