@@ -122,7 +122,7 @@ def test_the_five_lines_by_hand_are_adascale_sgds_update():
     state = tx.init(np.float32(w_ours))
     m, tau, prev = np.zeros(3), 0.0, 1.0
     var_m = sqr_m = weight = 0.0
-    for t in range(updates):
+    for _ in range(updates):
         g = np.stack([grad(w, i) for i in range(n)])
         g_bar = g.mean(0)
         a, b = np.mean(np.sum(g**2, axis=1)), np.sum(g_bar**2)  # 1.

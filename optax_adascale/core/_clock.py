@@ -296,8 +296,10 @@ def probe_dots(grads: list[Array], trace: list[Array], params: list[Array] | Non
         buckets.setdefault(key, []).append(i)
     dots: list[Any] = [None] * len(sets)
     for (_, _, width), members in buckets.items():
-        pad = lambda x: jnp.pad(x, (0, width - x.shape[0]))  # noqa: E731
-        stacked = [jnp.stack([pad(sets[i][j]) for i in members]) for j in range(len(sets[members[0]]))]
+        stacked = [
+            jnp.stack([jnp.pad(sets[i][j], (0, width - sets[i][j].shape[0])) for i in members])
+            for j in range(len(sets[members[0]]))
+        ]
         sums = _norms.gram_dots(stacked, pairs, axis=1)
         for row, i in enumerate(members):
             dots[i] = [x[row] for x in sums]
@@ -324,11 +326,11 @@ def probe_dots_partitioned(
     ``specs`` (per leaf, the drop-in's ``param_specs``) on one with Auto axes; ``None`` where neither says it (the
     compiler's own reductions then)."""
     if specs is not None:  # an Auto mesh: the buffers laid out as the gradients are
-        mesh = jax.sharding.get_abstract_mesh()
-        if getattr(mesh, "empty", True) or len(specs) != len(grads):
+        context = jax.sharding.get_abstract_mesh()
+        if getattr(context, "empty", True) or len(specs) != len(grads):
             return None
         specs = [*specs, *specs, *(specs if params is not None else [])]
-        return _probe_on_mesh(mesh, specs, grads, trace, params)
+        return _probe_on_mesh(context, specs, grads, trace, params)
     sharding = [getattr(jax.typeof(x), "sharding", None) for x in [*grads, *trace, *(params or [])]]
     meshes = {getattr(sh, "mesh", None) for sh in sharding}
     if len(meshes) != 1 or any(getattr(sh, "spec", None) is None for sh in sharding):
@@ -336,7 +338,7 @@ def probe_dots_partitioned(
     (mesh,) = meshes
     if mesh is None or getattr(mesh, "empty", True) or set(mesh.axis_types) != {jax.sharding.AxisType.Explicit}:
         return None
-    return _probe_on_mesh(mesh, [getattr(sh, "spec") for sh in sharding], grads, trace, params)
+    return _probe_on_mesh(mesh, [sh.spec for sh in sharding if sh is not None], grads, trace, params)
 
 
 def _probe_on_mesh(mesh: Any, specs: list[Any], grads: list[Array], trace: list[Array], params: Any) -> Array:
