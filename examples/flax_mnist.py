@@ -11,7 +11,11 @@ port changes the lines marked ``# AdaScale`` and nothing else in the model, the 
   the base batch of 32 (a cosine from 0.1 to 0 over ``T`` base-batch steps);
 * a mesh of 8 devices (8 virtual CPU devices here) and the batch put on it split over ``"data"``;
 * the loop stops at ``optax_adascale.done(optimizer.opt_state, T)`` (``τ ≥ T`` base-batch steps), not after a
-  number of epochs: a larger batch covers an epoch in fewer, larger steps.
+  number of epochs: a larger batch covers an epoch in fewer, larger steps;
+* BatchNorm's running statistics decay per base-batch step (``optax_adascale.base_step_average`` after the update):
+  an update worth ``r`` base steps decays them by ``0.99^r``. Left per update, at S = 8 they see about 8× fewer
+  updates over the same ``T`` and remember ``r/(1 − 0.99)`` base steps (T = 500: 37 % of their start kept, held-out
+  accuracy 96.9 % against 99.2 % at S = 1).
 
 Runs, each until ``τ = T``:
 
@@ -105,12 +109,17 @@ def make_steps(scale: int):
         @nnx.jit
         def train_step(model, optimizer, metrics, batch, rngs):
             grad_fn = optax_adascale.value_and_grad(loss_fn, data_axes="data", has_aux=True, num_microbatches=k)
+            before = nnx.state(model, nnx.BatchStat)  # AdaScale: BatchNorm's running statistics, before
             (loss, logits), grads, stats = grad_fn(model, batch, rngs)  # AdaScale
             if k == 1:
                 metrics.update(loss=loss, logits=logits, labels=batch["label"])
             else:  # a floating aux is the mean over the k micro-batches: the logits do not come back per row
                 metrics.update(loss=loss)
             optimizer.update(model, grads, microbatch_stats=stats)  # AdaScale
+            # AdaScale: BatchNorm's statistics advanced k times (once per micro-batch); an update worth r base steps
+            # decays them by momentum^r, as r small-batch steps would (its momentum: nnx.BatchNorm's 0.99)
+            after = nnx.state(model, nnx.BatchStat)
+            nnx.update(model, optax_adascale.base_step_average(before, after, 0.99, optimizer.opt_state, updates=k))
 
     @nnx.jit
     def eval_step(model, metrics, batch):

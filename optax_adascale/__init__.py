@@ -10,7 +10,14 @@ from optax_adascale import experimental
 from optax_adascale._alias import adascale_adamw, adascale_sgd
 from optax_adascale._factories import adascale
 from optax_adascale._placement import replicate_buffers, state_axes, state_partition_specs, transfer_state
-from optax_adascale._state import batch_plan, done, get_adascale_state, metrics, scale_invariant_steps
+from optax_adascale._state import (
+    batch_plan,
+    done,
+    get_adascale_state,
+    metrics,
+    scale_advice,
+    scale_invariant_steps,
+)
 from optax_adascale.core._adascale import AdaScaleState
 from optax_adascale.core._clock import BaseSteps, scale_by_adam, trace
 from optax_adascale.core._estimator import Estimator
@@ -22,6 +29,7 @@ from optax_adascale.sharding._fsdp import fsdp_gather, fsdp_probes, fsdp_shard, 
 from optax_adascale.sharding._stand_in import elementwise
 from optax_adascale.sharding._zero import ShardedInnerState, clip_by_global_norm
 from optax_adascale.tools import goodput, scaling_rules
+from optax_adascale.tools._averages import base_step_average
 from optax_adascale.tools._noise import NoiseScaleState, noise_scale_monitor
 
 # The public modules keep their paths: ``import optax_adascale.goodput`` is the tools wing's module.
@@ -43,6 +51,7 @@ __all__ = (
     "adascale",
     "adascale_adamw",
     "adascale_sgd",
+    "base_step_average",
     "batch_plan",
     "clip_by_global_norm",
     "done",
@@ -57,6 +66,7 @@ __all__ = (
     "metrics",
     "noise_scale_monitor",
     "replicate_buffers",
+    "scale_advice",
     "scale_by_adam",
     "scale_invariant_steps",
     "scaling_rules",

@@ -377,6 +377,7 @@ def done(
         raise RuntimeError(_stuck_message(s, streak, applied, early))
     _warn_if_mostly_floored(s)
     tau = np.asarray(jax.device_get(scale_invariant_steps(s)))
+    _advise_once(s, float(np.min(tau)) / total_steps if total_steps > 0 else 1.0)
     return bool(np.min(tau) >= total_steps)
 
 
@@ -432,6 +433,59 @@ ALTERED_GRADS = (
 
 # done() warns once FLOORED_RUN or more updates were applied and at least half of them had a zero variance estimate.
 FLOORED_RUN = 10
+
+
+# After this many applied updates and this share of the budget T, the averages have settled enough to say what S
+# buys: the noise scale grows as training goes on (the flagship's at S = 8 is 2 base batches 100 updates in, where
+# r/S = 30 %, and the run's mean r/S is 60 %), so the reading waits for a quarter of the run. An efficiency r/S below
+# LOW_EFFICIENCY then says the batch is well above the noise scale; a stability limit at most PINNED_LIMIT while the
+# estimator asks for PINNED_ESTIMATE or more says the learning rate is at the edge of stability at the base batch.
+ADVICE_AFTER, ADVICE_SHARE = 50, 0.25
+LOW_EFFICIENCY = 1 / 3
+PINNED_LIMIT, PINNED_ESTIMATE = 1.05, 1.5
+_ADVISED: set[str] = set()  # one warning of each kind per process
+
+
+def scale_advice(opt_state: Any) -> str:
+    """What the measured statistics say a larger ``S`` buys: the estimated gain, its efficiency ``r/S``, the noise
+    scale in base batches and the critical batch (McCandlish et al. 2018: the ``S`` of efficiency 1/2, ``B + 2``).
+    The text of :func:`done`'s warning when the efficiency stays low."""
+    s = get_adascale_state(opt_state)
+    m = jax.device_get(metrics(s))
+    scale, gain = float(np.max(m["scale"])), float(np.max(m["estimated_gain"]))
+    noise = float(np.max(m["noise_scale"]))
+    critical = "∞" if not np.isfinite(noise) else f"{noise + 2:.3g}"
+    return (
+        f"at S = {scale:g} each update is worth r = {gain:.2f} base-batch steps (efficiency r/S = {gain / scale:.0%}): "
+        f"the gradient noise scale is B = {noise:.3g} base batches, and a batch well above it buys little (the "
+        f"critical batch, where r/S = 1/2, is S ≈ B + 2 = {critical}). A larger S trades compute for fewer updates "
+        "at this rate only; optax_adascale.goodput.choose_scale(metrics, step_times) picks the S with the most "
+        "base-batch steps per second from your measured step times."
+    )
+
+
+def _advise_once(s: AdaScaleState, progress: float) -> None:
+    """Warn, once each per process, from :data:`ADVICE_AFTER` updates and :data:`ADVICE_SHARE` of the budget on
+    (``progress``: τ/T): the batch is well above the noise scale (what S buys); the stability guard holds the gain
+    near 1 (a learning rate at the edge of stability at the base batch: a schedule multiplied by S)."""
+    count = int(np.max(np.asarray(jax.device_get(_value(s.count)))))
+    if count < ADVICE_AFTER or progress < ADVICE_SHARE:
+        return
+    m = jax.device_get(metrics(s))
+    scale, estimated = float(np.max(m["scale"])), float(np.max(m["estimated_gain"]))
+    if "scale" not in _ADVISED and scale >= 4 and estimated / scale < LOW_EFFICIENCY:
+        _ADVISED.add("scale")
+        _checks.warn(f"optax_adascale: after {count} updates, {scale_advice(s)}")
+    if "pinned" not in _ADVISED and float(np.min(m["gain_limit"])) <= PINNED_LIMIT and estimated >= PINNED_ESTIMATE:
+        _ADVISED.add("pinned")
+        _checks.warn(
+            f"optax_adascale: after {count} updates the stability guard holds the gain at "
+            f"{float(np.min(m['gain'])):.2f} where the estimator asks for {estimated:.2f}: the learning rate "
+            f"({float(np.max(m['base_learning_rate'])):.4g}) is at the edge of stability at the base batch already "
+            "(the curvature measured along the steps times it is near 2). AdaScale's schedule is the base batch's (the "
+            "lr you would use at S = 1) and it multiplies it by the gain itself: a schedule multiplied by S 'for the "
+            "big batch' is S times too large: divide it by S."
+        )
 
 
 def _warn_if_mostly_floored(s: AdaScaleState) -> None:
