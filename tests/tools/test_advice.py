@@ -2,7 +2,6 @@
 scale), and a learning rate at the edge of stability at the base batch (a schedule multiplied by S). Both warnings
 name their numbers, read from the state against values computed here."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
