@@ -36,7 +36,7 @@ from optax_adascale.tools._noise import NoiseScaleState, noise_scale_monitor
 _sys.modules[__name__ + ".goodput"] = goodput
 _sys.modules[__name__ + ".scaling_rules"] = scaling_rules
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = (
     "AdaScaleState",

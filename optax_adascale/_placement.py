@@ -235,14 +235,23 @@ def _conform(source: Any, target: Any) -> Any:
                 "are kept per group, so they cannot be carried between a labelled and an unlabelled "
                 "configuration, or between different labels. Use the same param_labels in both."
             )
-        clock_keys = {"slope", "reach", "curvature", "base_steps"}  # the τ clock's state fields (0.4.0's defaults)
-        moved = {n for k in set(src) ^ {key(p) for p, _ in tgt} for n in k} & clock_keys
+        clock_keys = {"slope", "reach", "curvature", "limit", "base_steps"}  # the τ clock's state fields
+        differing = {n for k in set(src) ^ {key(p) for p, _ in tgt} for n in k}
+        if {"decay", "nesterov"} & {n for k in src for n in k} and "limit" in differing:
+            raise ValueError(
+                "opt_state is a 0.4.0 checkpoint of the guarded τ clock (adascale_sgd's default then and now), whose "
+                "momentum state changed in 0.5.0 (the weight decay moved into optax_adascale.trace; β and nesterov "
+                "are no longer stored, the guard's limit is): it does not restore into 0.5.0's state. Restore the "
+                "params and start the optimizer state with tx.init(params) (the momentum and τ restart), or keep "
+                "optax_adascale 0.4.0 to finish the run. States of clock='update' restore unchanged."
+            )
+        moved = differing & clock_keys
         if moved:
             raise ValueError(
                 "the inner transformations of opt_state and target differ in structure: one of them runs on the τ "
                 f"clock (its state has {sorted(moved)}) and the other on the update clock. A checkpoint of 0.3 "
                 "(adascale_sgd's default then, or adascale_adamw with clock='update') restores into a "
-                "transformation built with clock='update'; 0.4.0's default for both aliases is clock='tau'."
+                "transformation built with clock='update'; since 0.4.0 the default for both aliases is clock='tau'."
             )
         raise ValueError("the inner transformations of opt_state and target differ in structure")
 

@@ -99,6 +99,27 @@ def get_adascale_state(opt_state: Any) -> AdaScaleState:
     return found[0]
 
 
+def _readable(opt_state: Any) -> AdaScaleState:
+    """:func:`get_adascale_state`, for the readers' eager arithmetic. Under ``jax.set_mesh`` JAX refuses an eager
+    operation on an array of another mesh (a ``jax.pmap`` state under a mesh kept around the loop: "context mesh ...
+    should match the aval mesh"): such scalars are read to the host first. Tracers, arrays of the context mesh and
+    large buffers (which the readers do not touch) are left alone."""
+    s = get_adascale_state(opt_state)
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        return s
+
+    def read(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.size > 4096:
+            return x
+        mesh = getattr(x.sharding, "mesh", None)
+        if mesh is not None and getattr(mesh, "abstract_mesh", mesh) == context:
+            return x
+        return np.asarray(x) if x.is_fully_addressable else x
+
+    return jax.tree.map(read, s)
+
+
 def _refuse_wrappers_around(opt_state: Any) -> None:
     """Two optax wrappers change what AdaScale sees, recognisable from their states around AdaScale's:
     ``optax.MultiSteps`` (one update per k calls, on the last call's statistics) and ``optax.inject_hyperparams``
@@ -158,7 +179,7 @@ def scale_invariant_steps(opt_state: Any) -> jax.Array:
       >>> optax_adascale.scale_invariant_steps(state)
       Array(0., dtype=float32)
     """
-    s = get_adascale_state(opt_state)
+    s = _readable(opt_state)
     return _value(s.tau_whole).astype(jnp.float32) + _value(s.tau_frac)
 
 
@@ -213,7 +234,7 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     """
     monitor = _noise.metrics(opt_state) if _noise.has_noise_state(opt_state) else None
     try:
-        s = get_adascale_state(opt_state)
+        s = _readable(opt_state)
     except ValueError:
         if monitor is None:
             raise
@@ -303,7 +324,7 @@ def batch_plan(opt_state: Any) -> dict[str, jax.Array]:
       >>> {k: int(v) for k, v in optax_adascale.batch_plan(state).items()}
       {'microbatches': 2, 'remaining': 1, 'next_scale': 2, 'scale': 2, 'microbatches_seen': 1}
     """
-    s = get_adascale_state(opt_state)
+    s = _readable(opt_state)
     if s.ramp is None:
         raise ValueError(
             "batch_plan reads a BatchRamp's state, and this optimizer state has none: build the optimizer with "
@@ -368,7 +389,7 @@ def done(
       >>> optax_adascale.done(tx.init(jnp.zeros(2)), total_steps=100)
       False
     """
-    s = get_adascale_state(opt_state)
+    s = _readable(opt_state)
     _raise_if_altered(s)
     streak = int(np.max(np.asarray(jax.device_get(_value(s.skip_streak)))))
     applied = int(np.max(np.asarray(jax.device_get(_value(s.count)))))
@@ -448,19 +469,50 @@ _ADVISED: set[str] = set()  # one warning of each kind per process
 
 def scale_advice(opt_state: Any) -> str:
     """What the measured statistics say a larger ``S`` buys: the estimated gain, its efficiency ``r/S``, the noise
-    scale in base batches and the critical batch (McCandlish et al. 2018: the ``S`` of efficiency 1/2, ``B + 2``).
-    The text of :func:`done`'s warning when the efficiency stays low."""
-    s = get_adascale_state(opt_state)
+    scale ``B`` in base batches, what an update would be worth at ``2S`` and ``4S`` with the same statistics (the
+    paper's gain ``r = S(B + 1)/(S + B)``) and the critical batch (McCandlish et al. 2018: the ``S`` of efficiency
+    1/2, ``B + 2``). The text of :func:`done`'s warning when the efficiency stays low.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax_adascale
+      >>> tx = optax_adascale.adascale_sgd(0.1, accumulation_steps=8)
+      >>> one = jnp.float32(1.0)
+      >>> state = tx.init(jnp.zeros(1))._replace(  # σ̄² = 3, μ̄² = 1: B = 3 base batches, at S = 8
+      ...     count=jnp.int32(100), scale=jnp.float32(8), grad_var=jnp.float32(3), grad_sqr=one,
+      ...     ema_weight=one, sqr_weight=one)
+      >>> print(optax_adascale.scale_advice(state))  # r = 8·4/11; 16·4/19; 32·4/35
+      at S = 8 each update is worth r = 2.91 base-batch steps (efficiency r/S = 36%): the gradient noise scale is
+      B = 3 base batches, and with these statistics an update would be worth r ≈ 3.37 at S = 16 and r ≈ 3.66 at
+      S = 32 (r = S(B + 1)/(S + B)). The critical batch, where r/S = 1/2, is S ≈ B + 2 = 5; S is above it: a larger
+      S trades compute for fewer updates at a falling rate. optax_adascale.goodput.choose_scale(metrics, step_times)
+      picks the S with the most base-batch steps per second from your measured step times.
+    """
+    s = _readable(opt_state)
     m = jax.device_get(metrics(s))
     scale, gain = float(np.max(m["scale"])), float(np.max(m["estimated_gain"]))
     noise = float(np.max(m["noise_scale"]))
-    critical = "∞" if not np.isfinite(noise) else f"{noise + 2:.3g}"
+    if not np.isfinite(noise):
+        return (
+            f"at S = {scale:g} each update is worth r = {gain:.2f} base-batch steps "
+            f"(efficiency r/S = {gain / scale:.0%}); the gradient noise scale is not measured yet."
+        )
+
+    def worth(at: float) -> float:
+        return at * (noise + 1) / (at + noise)
+
+    critical = noise + 2
+    where = (
+        "S is above it: a larger S trades compute for fewer updates at a falling rate"
+        if scale > critical
+        else "S is below it: a larger S, up to about the critical batch, still buys most of what it costs"
+    )
     return (
         f"at S = {scale:g} each update is worth r = {gain:.2f} base-batch steps (efficiency r/S = {gain / scale:.0%}): "
-        f"the gradient noise scale is B = {noise:.3g} base batches, and a batch well above it buys little (the "
-        f"critical batch, where r/S = 1/2, is S ≈ B + 2 = {critical}). A larger S trades compute for fewer updates "
-        "at this rate only; optax_adascale.goodput.choose_scale(metrics, step_times) picks the S with the most "
-        "base-batch steps per second from your measured step times."
+        f"the gradient noise scale is B = {noise:.3g} base batches, and with these statistics an update would be worth "
+        f"r ≈ {worth(2 * scale):.3g} at S = {2 * scale:g} and r ≈ {worth(4 * scale):.3g} at S = {4 * scale:g} "
+        f"(r = S(B + 1)/(S + B)). The critical batch, where r/S = 1/2, is S ≈ B + 2 = {critical:.3g}; {where}. "
+        "optax_adascale.goodput.choose_scale(metrics, step_times) picks the S with the most base-batch steps per "
+        "second from your measured step times."
     )
 
 

@@ -155,8 +155,9 @@ def scratch_dir(name: str) -> Path:
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def run_example(name: str, *args: str, timeout: float = 300) -> str:
-    """Run ``examples/<name>`` in a fresh CPU-only interpreter; assert it succeeds; return its stdout."""
+def run_example(name: str, *args: str, timeout: float = 300, stderr: list[str] | None = None) -> str:
+    """Run ``examples/<name>`` in a fresh CPU-only interpreter; assert it succeeds; return its stdout (and append its
+    stderr to ``stderr`` where given)."""
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
         capture_output=True,
@@ -165,6 +166,8 @@ def run_example(name: str, *args: str, timeout: float = 300) -> str:
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(result.stderr)
     return result.stdout
 
 

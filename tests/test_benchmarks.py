@@ -443,3 +443,26 @@ def test_every_cost_gate_measures_the_aliases_as_a_user_gets_them():
             assert named, f"{name}:{call.lineno}: a gate's optimizer with a clock of its own is not a named row"
     for fn in (cost.make_step, cost.measure, cost.step_cost):
         assert inspect.signature(fn).parameters["adascale_clock"].default is None, fn.__name__
+
+
+# --------------------------------------------------------------------------- the update's words per parameter
+
+
+def test_each_default_update_moves_what_its_update_clock_twin_moves_and_holds_no_while():
+    from benchmarks.overhead import words
+
+    rows = {row["update"]: row for row in words.measure(1 << 20)}
+    assert words.gate(list(rows.values())) == []
+    # XLA:CPU's cost model counts 8 words for SGD + pmean; AdaScale's update clock adds exactly two reads, of the
+    # local g (for ‖g‖², before the all-reduce) and of ḡ (for ‖ḡ‖²): 10.
+    assert rows["optax.sgd(momentum=0.9) + pmean"]["words_per_param"] == pytest.approx(8.0, abs=0.01)
+    assert rows["adascale_sgd, clock='update'"]["words_per_param"] == pytest.approx(10.0, abs=0.01)
+    sgd_default = rows["adascale_sgd, the default"]["words_per_param"]
+    assert 10.0 < sgd_default <= 10.0 + words.GATE  # the guard's strided samples, and nothing whole
+    # The gate can fail: a guard that read its three buffers whole (0.4.0) would move 3 words more.
+    assert (
+        words.gate(
+            [dict(rows["adascale_sgd, clock='update'"]), {**rows["adascale_sgd, the default"], "words_per_param": 13.0}]
+        )
+        != []
+    )

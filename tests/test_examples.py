@@ -7,6 +7,7 @@
 * ``elastic_goodput.py``: S re-chosen by goodput as the noise scale grows beats every fixed S.
 * ``nnx_quickstart.py``: NNX with micro-batches and with shard_map replicas train alike.
 * ``flax_mnist.py``: Flax's NNX MNIST example through the drop-in: S = 8 reaches T in fewer updates, both learn.
+* ``flax_seq2seq.py``: Flax's Linen seq2seq LSTM through the drop-in and under pmap: the same updates.
 * ``sharded_lm.py``: a tensor-parallel NNX transformer at S = 1 and S = 4.
 
 (``multihost.py`` runs as two processes in ``test_multihost.py``.) Tests that share one run share an
@@ -354,6 +355,40 @@ def test_flax_mnist_smoke_ports_flax_example_and_learns():
     assert int(port["iterations"]) == pytest.approx(float(port["tau"]) / float(port["gain"]), abs=1.0)
     for row in (base, port):  # held-out loss below chance's ln 10 = 2.303 (the smoke run: 2.03 and 2.12)
         assert float(row["loss"]) < math.log(10), row
+
+
+# --------------------------------------------------------------------------- flax_seq2seq.py
+# Flax's Linen seq2seq LSTM (nn.RNN over nn.LSTMCell, TrainState, optax.adam) ported: through the drop-in on an
+# Auto mesh, and as Flax's per-replica step under jax.pmap. The two are the same update from the same data.
+
+SEQ2SEQ_BUDGET = 60  # the smoke budget T
+
+
+def test_flax_seq2seq_smoke_the_drop_in_and_pmap_take_the_same_updates_and_it_says_what_s_buys(tmp_path):
+    import json
+
+    out, stderr = tmp_path / "rows.json", []
+    stdout = run_example("flax_seq2seq.py", "--smoke", "--no-progress", "--json", str(out), stderr=stderr)
+    rows = {(r["S"], r["mesh"]): r for r in json.loads(out.read_text())}
+    assert sorted(rows) == [(1, "-"), (8, "gspmd"), (8, "pmap")], stdout
+    base, gspmd, pmap = rows[1, "-"], rows[8, "gspmd"], rows[8, "pmap"]
+    assert base["iterations"] == SEQ2SEQ_BUDGET and base["mean_gain"] == 1.0
+    for row in (gspmd, pmap):
+        assert SEQ2SEQ_BUDGET <= row["tau"] < SEQ2SEQ_BUDGET + 8 and row["iterations"] <= SEQ2SEQ_BUDGET
+        assert 1.0 <= row["mean_gain"] <= 8.0
+        assert np.mean(row["losses"][-5:]) < row["losses"][0]  # it learns: the loss falls from its first update
+    # Each update's loss (the mean over the 8 shards of the loss as written) from the same batches: the drop-in's
+    # trajectory is pmap's to float32 rounding (the statistics' rounding moves the gain by less than 1e-2)
+    assert gspmd["iterations"] == pmap["iterations"]
+    np.testing.assert_allclose(gspmd["losses"], pmap["losses"], rtol=1e-3)
+    np.testing.assert_allclose(gspmd["tau"], pmap["tau"], rtol=1e-2)
+    # On this task the gradient is signal-dominated (the noise scale a fraction of a base batch): after 50 updates and
+    # a quarter of T, done() says once what S buys, with the run's own numbers
+    said = re.findall(
+        r"UserWarning: optax_adascale: after (\d+) updates, at S = 8 each update is worth r = ([\d.]+)", stderr[0]
+    )
+    assert len(said) == 1, stderr[0][-2000:]
+    assert int(said[0][0]) >= 50 and float(said[0][1]) / 8 < 1 / 3
 
 
 # --------------------------------------------------------------------------- sharded_lm.py

@@ -32,7 +32,9 @@ def base_step_average(old: Any, new: Any, decay: Any, opt_state: Any, updates: i
     ``batch_stats`` collection), a weight EMA's parameters. Call it in the jitted step, after ``tx.update``.
 
     Args:
-      old: the average before the update's forward pass.
+      old: the average before the update's forward pass: a copy (Flax NNX:
+        ``jax.tree.map(lambda x: x, nnx.state(model, nnx.BatchStat))``; ``nnx.state`` alone returns the model's
+        Variables, which the forward pass updates in place, and is refused).
       new: the average after it.
       decay: the average's momentum (``0.99``: Flax BatchNorm's default; PyTorch's ``momentum=0.1`` is
         ``decay = 0.9``).
@@ -51,6 +53,18 @@ def base_step_average(old: Any, new: Any, decay: Any, opt_state: Any, updates: i
       >>> optax_adascale.base_step_average(old, new, 0.9, state).round(4)  # 1 − 0.9⁴ of the way
       Array(0.3439, dtype=float32)
     """
+    floating = [
+        (a, b)
+        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True)
+        if jnp.issubdtype(jnp.result_type(b), jnp.inexact)
+    ]
+    if floating and all(a is b for a, b in floating):
+        raise ValueError(
+            "optax_adascale.base_step_average: `old` and `new` hold the same arrays, so there is nothing to re-weight: "
+            "`old` must be a copy taken before the forward pass. Flax NNX's nnx.state(model, nnx.BatchStat) returns "
+            "the model's own Variables, which the forward pass updates in place: take "
+            "`old = jax.tree.map(lambda x: x, nnx.state(model, nnx.BatchStat))` before it."
+        )
     gain = jnp.asarray(_state.metrics(opt_state)["gain"], jnp.float32)
     decay = jnp.asarray(decay, jnp.float32)
     taken = -jnp.expm1(updates * jnp.log(decay))  # 1 − decay^updates

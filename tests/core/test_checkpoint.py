@@ -688,3 +688,18 @@ def test_tp_checkpoint_mid_accumulation_resumes_bit_identically(tmp_path):
     assert_trees_equal(s_r, s_ref)
     assert log_mid + log_r == log_ref
     assert int(s_r.count) == 3 and int(s_r.micro_step) == 0
+
+
+def test_a_0_4_0_checkpoint_of_the_guarded_default_is_refused_with_what_to_do(tmp_path):
+    """0.4.0's default (the guarded τ clock) stored β and nesterov in its momentum state, behind a decayed-weights
+    state, and had no limit; 0.5.0's does not restore it silently: the message says it is 0.4.0's and what to do."""
+    tx = make_tx(SCHEDULE, axis_name=AXIS)
+    fields = optax_adascale.get_adascale_state(tx.init(init_params()))._asdict()
+    (trace,) = fields["inner_state"]
+    old = {k: v for k, v in trace._asdict().items() if k != "limit"}
+    old.update(decay=jnp.float32(0.9), nesterov=jnp.bool_(False))
+    fields["inner_state"] = ({}, old)  # chain(add_decayed_weights(λ), trace(β)): 0.4.0's layout
+    save(tmp_path / "ckpt", {"opt_state": fields})
+    raw = restore(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"0\.4\.0 checkpoint of the guarded τ clock.*tx\.init\(params\)"):
+        optax_adascale.transfer_state(raw["opt_state"], tx.init(init_params()))

@@ -339,3 +339,31 @@ def test_clipping_before_update_on_per_replica_statistics_is_caught_at_every_fro
     assert int(clean["skipped_steps"]) == 0 and float(clean["grad_var"]) > 0
     assert int(clipped["skipped_altered_grads_steps"]) == int(clipped["skipped_steps"]) == updates
     assert float(clipped["grad_var"]) == 0.0 and float(clipped["scale_invariant_steps"]) == 0.0
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit_mesh", "auto_mesh"])
+def test_the_readers_read_a_pmap_state_under_a_mesh_kept_around_the_loop(explicit):
+    """A ``jax.set_mesh(mesh)`` left around a ``jax.pmap`` loop: JAX refuses an eager operation on the pmap's arrays
+    under an Explicit context mesh ("context mesh ... should match the aval mesh"); ``done``, ``metrics``,
+    ``scale_invariant_steps`` and ``scale_advice`` read them as outside the mesh."""
+    from jax.sharding import Mesh
+
+    tx = optax_adascale.adascale_sgd(0.1, momentum=0.9, axis_name="data")
+    params = jnp.ones(4)
+    copies = jax.tree.map(lambda x: jnp.stack([x] * N), (params, tx.init(params)))
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    grads = jnp.asarray(np.random.default_rng(0).normal(size=(N, 4)), jnp.float32)
+    _, state = jax.pmap(step, axis_name="data")(*copies, grads)
+    outside = (optax_adascale.metrics(state), float(optax_adascale.scale_invariant_steps(state)[0]))
+    mesh = jax.make_mesh((N,), ("data",)) if explicit else Mesh(np.array(jax.devices()[:N]), ("data",))
+    with jax.set_mesh(mesh):
+        assert not optax_adascale.done(state, 10)
+        inside = (optax_adascale.metrics(state), float(optax_adascale.scale_invariant_steps(state)[0]))
+        assert "each update is worth" in optax_adascale.scale_advice(state)
+    assert inside[1] == outside[1] > 1.0
+    for key in ("gain", "grad_var", "grad_sqr", "scale"):
+        np.testing.assert_array_equal(inside[0][key], outside[0][key])

@@ -63,6 +63,46 @@ def _flax_lstm():
     return params, loss
 
 
+def _flax_gru():
+    from flax import linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.RNN(nn.GRUCell(H))(x)
+            return nn.Dense(1)(h[:, -1])
+
+    model = Model()
+    x, _ = _data()
+    params = model.init(jax.random.key(3), x[:2])["params"]
+
+    def loss(p, x, y):
+        return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+
+    return params, loss
+
+
+def _nnx_model_class():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.rnn = nnx.RNN(nnx.LSTMCell(D, H, rngs=rngs))  # its carry RNG stream: state the loss advances
+            self.out = nnx.Linear(H, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.rnn(x)[:, -1])
+
+    return Model
+
+
+def _NnxModel(*args, **kwargs):  # noqa: N802 - a class built where Flax is imported
+    return _nnx_model_class()(*args, **kwargs)
+
+
+MODELS = {"hand_written": lambda: _hand_written(False), "flax_lstm": _flax_lstm, "flax_gru": _flax_gru}
+
+
 def _per_shard_sq_norms(loss, params, x, y, k):
     """``mean_i ‖g_i‖²`` per leaf: sample ``i`` is micro-batch ``j`` of data shard ``s``'s rows, differentiated
     alone (no mesh)."""
@@ -72,14 +112,26 @@ def _per_shard_sq_norms(loss, params, x, y, k):
     return jax.tree.map(lambda *g: float(np.mean([np.sum(np.square(a)) for a in g])), *grads)
 
 
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("model", ["hand_written", "flax_lstm"])
-def test_a_recurrent_layer_on_an_auto_mesh_is_exact(model, k):
-    params, loss = _hand_written(False) if model == "hand_written" else _flax_lstm()
+@pytest.mark.parametrize(
+    ("model", "k", "layout"),
+    [(m, k, "replicated") for m in MODELS for k in (1, 2)]
+    + [("hand_written", 2, "fsdp"), ("flax_lstm", 1, "fsdp"), ("flax_gru", 2, "fsdp")],
+)
+def test_a_recurrent_layer_on_an_auto_mesh_is_exact(model, k, layout):
+    """Replicated parameters (as Flax writes them), or FSDP (each weight's last dimension split over the data axis,
+    where it divides)."""
+    params, loss = MODELS[model]()
     x, y = _data()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[: SHARDS * 2]).reshape(SHARDS, 2), ("data", "model"))
-    specs = jax.tree.map(lambda _: P(), params)
+
+    def spec(a):
+        split = layout == "fsdp" and a.ndim == 2 and a.shape[-1] % SHARDS == 0
+        return P(*([None] * (a.ndim - 1)), "data") if split else P()
+
+    specs = jax.tree.map(spec, params)
+    assert layout == "replicated" or any(sp != P() for sp in jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P)))
     with jax.set_mesh(mesh):
+        params = jax.tree.map(lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp)), params, specs)
         xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
         fn = optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k, param_specs=specs)
         value, grads, stats = jax.jit(fn)(params, xs, ys)
@@ -112,4 +164,38 @@ def test_a_recurrent_layer_written_the_explicit_way_is_exact_on_an_explicit_mesh
     ref_grads = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[r[1] for r in refs])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), grads, ref_grads)
     expected = _per_shard_sq_norms(loss, params, x, y, k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(float(a), b, rtol=2e-5), stats.sq_norms, expected)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_nnx_rnn_passed_as_a_module_on_an_auto_mesh_is_nnx_value_and_grads(k):
+    """NNX's native form: the module itself to the drop-in, as to ``nnx.value_and_grad``; ``nnx.RNN``'s default
+    carry RNG stream is state the loss advances (threaded through the k calls). Against ``nnx.value_and_grad`` on
+    each global micro-batch, and the statistics against each sample differentiated alone."""
+    from flax import nnx
+
+    def loss(model, x, y):
+        return jnp.mean((model(x) - y) ** 2)
+
+    x, y = _data()
+    model, twin = _NnxModel(nnx.Rngs(4)), _NnxModel(nnx.Rngs(4))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: SHARDS * 2]).reshape(SHARDS, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+        fn = optax_adascale.value_and_grad(loss, data_axes="data", num_microbatches=k)
+        value, grads, stats = nnx.jit(fn)(model, xs, ys)
+    blocks = np.arange(B).reshape(SHARDS, k, -1)
+    refs = [nnx.value_and_grad(loss)(twin, x[blocks[:, j].ravel()], y[blocks[:, j].ravel()]) for j in range(k)]
+    np.testing.assert_allclose(float(value), np.mean([float(r[0]) for r in refs]), rtol=2e-5)
+    ref_grads = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[r[1] for r in refs])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), grads, ref_grads)
+    # each sample (micro-batch j of data shard s) differentiated alone, by nnx.grad on a fresh copy
+    rows = B // (SHARDS * k)
+    samples = np.arange(B).reshape(SHARDS, k, rows)
+    per_sample = [
+        nnx.grad(loss)(_NnxModel(nnx.Rngs(4)), x[samples[i, j]], y[samples[i, j]])
+        for i in range(SHARDS)
+        for j in range(k)
+    ]
+    expected = jax.tree.map(lambda *g: float(np.mean([np.sum(np.square(a)) for a in g])), *per_sample)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(float(a), b, rtol=2e-5), stats.sq_norms, expected)

@@ -43,6 +43,11 @@ def test_a_batch_well_above_the_noise_scale_is_said_once_with_its_numbers():
     assert float(m["estimated_gain"]) / 16 < _state.LOW_EFFICIENCY
     assert f"B = {float(m['noise_scale']):.3g}" in optax_adascale.scale_advice(state)
     assert "critical batch" in said[0] and "goodput.choose_scale" in said[0]
+    # What 2S and 4S would buy, by the paper's gain with these statistics: r = S(1 + B)/(S + B), B = σ̄²/μ̄²
+    b = float(m["grad_var"]) / float(m["grad_sqr"])
+    for at in (32, 64):
+        assert f"r ≈ {at * (1 + b) / (at + b):.3g} at S = {at}" in said[0]
+    assert "S is above it" in said[0]
 
 
 def test_a_schedule_multiplied_by_s_is_said_when_the_guard_holds_the_gain_near_one():
