@@ -130,6 +130,23 @@ def make_step(
     return step, tx
 
 
+def init_state(tx, params):
+    """``tx.init(params)`` under jit, its parameter-shaped buffers (the momentum) laid out as the parameters are, as
+    a trainer lays its state out (MaxText: from the parameters' logical axes). On an Auto mesh ``jax.jit(tx.init)``
+    alone lets the compiler choose, and it replicates the momentum of a split weight: a layout no FSDP user keeps,
+    whose step then gathers the new momentum. The scalars are replicated."""
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    mesh = jax.tree.leaves(shardings)[0].mesh
+    out = optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, sh: sh,
+        jax.eval_shape(tx.init, params),
+        shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+    )
+    return jax.jit(tx.init, out_shardings=out)(params)
+
+
 def _memory(compiled) -> int:
     m = compiled.memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
@@ -159,7 +176,7 @@ def measure(
         for r in range(rounds):
             for v in VARIANTS:
                 step, tx = make_step(v, model, k, shards, adascale_clock=adascale_clock)
-                state = jax.jit(tx.init)(params)
+                state = init_state(tx, params)
                 states[v] = state
                 jitted = jax.jit(step, donate_argnums=(0, 1))
                 t0 = time.perf_counter()
@@ -199,7 +216,7 @@ def _time(model, k, params, batch, steps: int, shards: int = 4, rounds: int = 7,
     for v in ("drop-in", "same-opt"):
         step, tx = make_step(v, model, k, shards)
         f = jax.jit(step)
-        state = jax.jit(tx.init)(params)
+        state = init_state(tx, params)
         jax.block_until_ready(f(params, state, *batch))
         runners[v] = (f, state)
     times: dict[str, list[float]] = {v: [] for v in runners}
@@ -237,24 +254,37 @@ def step_cost(model: models.Model, k: int, *, mesh, adascale_clock: str | None =
         params, batch = model.place(mesh)
         for v in VARIANTS:
             step, tx = make_step(v, model, k, shards, unroll=True, adascale_clock=adascale_clock)
-            state = jax.jit(tx.init)(params)
+            state = init_state(tx, params)
             compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *batch).compile()
             flops, bytes_accessed = _flops_bytes(compiled)
             # 0: every loop of the program counted as often as it runs. (XLA:CPU's scatter expander, with the tests'
             # legacy emitters, turns a scatter-add into a loop of its own: the same in every variant, not counted.)
             loops = [line for line in compiled.as_text().splitlines() if " while(" in line and "scatter" not in line]
             out[v] = {"flops": flops, "bytes_accessed": bytes_accessed, "loops": len(loops)}
-        # each device's gradient: the per-copy ‖g_i‖² reads it once per micro-batch (the statistic's own floor)
-        out["gradient_elements"] = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(params))
+        # each device's per-copy gradient, the partial before the data axes' reduction (whole along a dimension
+        # split over "data", as FSDP's partial is): the per-copy ‖g_i‖² reads it once per micro-batch (the
+        # statistic's own floor)
+        out["gradient_elements"] = sum(_partial_elements(x, mesh) for x in jax.tree.leaves(params))
         out["microbatches"] = k
     return out
+
+
+def _partial_elements(x: Any, mesh: Any) -> int:
+    """Elements of one device's unreduced partial gradient of ``x``: split over every mesh axis but ``data``."""
+    split = 1
+    for entry in x.sharding.spec:
+        for axis in (entry,) if isinstance(entry, str) else tuple(entry or ()):
+            if axis != "data":
+                split *= mesh.shape[axis]
+    return x.size // split
 
 
 def step_cost_gates(cost: dict[str, Any]) -> dict[str, bool]:
     """The drop-in's step within 2 % of the user's own step's flops and bytes accessed plus the statistic's own floor
     (``same-opt``: the user's ``jax.value_and_grad`` on the same shardings and the same optimizer, so that the
-    difference is the drop-in's): one pass over each device's gradient per micro-batch for the per-copy ``‖g_i‖²``
-    (4 bytes and 2 flops an element), which the user's own step gets free."""
+    difference is the drop-in's): one pass over each device's per-copy gradient per micro-batch for ``‖g_i‖²`` (4
+    bytes and 2 flops an element; under FSDP the partial before the reduce-scatter, whole along the data-split
+    dimension), which the user's own step gets free."""
     ours, same = cost["drop-in"], cost["same-opt"]
     passes = cost.get("gradient_elements", 0) * cost.get("microbatches", 1)
     floor = {"flops": 2 * passes, "bytes_accessed": 4 * passes}

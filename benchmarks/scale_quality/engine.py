@@ -60,7 +60,9 @@ def make_tx(task, method: str, schedule):
 
 @functools.cache
 def compiled(task, method: str, scale: int, num_evals: int = NUM_EVALS):
-    """``(keys, lr multipliers) -> (losses at the checkpoints, iterations, τ, mean gain)``, vmapped, jitted."""
+    """``(keys, lr multipliers) -> (losses at the checkpoints, iterations, τ, gain sums)``, vmapped, jitted. The
+    sums over the updates: the applied gain, the estimated gain (before the stability guard), the updates the guard
+    held below 0.99 of it, and those updates' ratio applied/estimated."""
     T = task.total_steps
     max_iters = T + 1
 
@@ -78,7 +80,11 @@ def compiled(task, method: str, scale: int, num_evals: int = NUM_EVALS):
         def body(carry):
             p, s, it, gains = carry
             updates, s = step(p, s, task.sample(jax.random.fold_in(k_data, it), scale))
-            return optax.apply_updates(p, updates), s, it + 1, gains + oa.metrics(s)["gain"]
+            m = oa.metrics(s)
+            held = m["gain"] < 0.99 * m["estimated_gain"]
+            ratio = jnp.where(held, m["gain"] / m["estimated_gain"], 0.0)
+            sums = jnp.stack([m["gain"], m["estimated_gain"], held.astype(jnp.float32), ratio])
+            return optax.apply_updates(p, updates), s, it + 1, gains + sums
 
         def segment(carry, target):
             carry = lax.while_loop(
@@ -87,8 +93,9 @@ def compiled(task, method: str, scale: int, num_evals: int = NUM_EVALS):
             return carry, (task.evaluate(carry[0]), carry[2])
 
         targets = jnp.asarray([round(T * (k + 1) / num_evals) for k in range(num_evals)], jnp.int32)
-        (p, s, it, gains), (losses, its) = lax.scan(segment, (params, state, jnp.int32(0), jnp.float32(0)), targets)
-        return losses, its, oa.scale_invariant_steps(s), gains / jnp.maximum(it, 1)
+        start = (params, state, jnp.int32(0), jnp.zeros(4, jnp.float32))
+        (p, s, it, gains), (losses, its) = lax.scan(segment, start, targets)
+        return losses, its, oa.scale_invariant_steps(s), gains, it
 
     return jax.jit(jax.vmap(run))
 
@@ -98,7 +105,7 @@ def run_cell(task, method: str, scale: int, runs):
     keys = jnp.stack([jax.random.key(s) for _, s in runs])
     ms = jnp.asarray([m for m, _ in runs], jnp.float32)
     start = time.perf_counter()
-    losses, its, tau, gain = jax.device_get(compiled(task, method, scale)(keys, ms))
+    losses, its, tau, gains, count = jax.device_get(compiled(task, method, scale)(keys, ms))
     wall = time.perf_counter() - start
     out = []
     for i, (m, s) in enumerate(runs):
@@ -116,7 +123,11 @@ def run_cell(task, method: str, scale: int, runs):
                 "checkpoint_iterations": [int(x) for x in its[i]],
                 "examples": int(its[i, -1]) * scale * task.batch_size,
                 "tau": float(tau[i]),
-                "mean_gain": float(gain[i]),
+                "mean_gain": float(gains[i, 0] / max(count[i], 1)),
+                # the stability guard: the estimator's gain, and how often and how far the applied gain fell below it
+                "mean_estimated_gain": float(gains[i, 1] / max(count[i], 1)),
+                "held_share": float(gains[i, 2] / max(count[i], 1)),
+                "held_ratio": float(gains[i, 3] / gains[i, 2]) if gains[i, 2] > 0 else float("nan"),
                 "wall_s": wall / len(runs),
             }
         )

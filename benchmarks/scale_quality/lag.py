@@ -12,7 +12,9 @@ re-run too, into ``cells_0.5/``; 0.4.0's committed cells (``cells/``, method ``g
     python -m benchmarks.scale_quality.lag        # this table, into README.md's lag section
 
 The columns: the final loss at S relative to S = 2's with the same method, rate and seeds (mean ± SE: the one-sided
-goal is ≤ +2 % at S ≤ 32 and ≤ +5 % beyond, within SE), and the updates the run took (0.5.0 / 0.4.0).
+goal is ≤ +2 % at S ≤ 32 and ≤ +5 % beyond, within SE), the updates the run took (0.5.0 / 0.4.0), and how often
+the guard held the applied gain below 0.99 of the estimated gain (``metrics()["estimated_gain"]``) and by how much
+(applied / estimated over those updates).
 """
 
 from __future__ import annotations
@@ -36,10 +38,24 @@ def _records(root: Path, task: str) -> list[dict]:
     return out
 
 
+def _held(root: Path, task: str, scale: int, mult: float) -> str:
+    """How often the stability guard held the applied gain below 0.99 of the estimated one (share of the updates,
+    mean over seeds), and by how much where it did (applied / estimated, mean over those updates and seeds)."""
+    runs = [
+        r for r in _records(root, task) if r["scale"] == scale and abs(r["lr_mult"] - mult) < 1e-9 and "held_share" in r
+    ]
+    if not runs:
+        return "—"
+    share = sum(r["held_share"] for r in runs) / len(runs)
+    ratios = [r["held_ratio"] for r in runs if r["held_share"] > 0]
+    return f"{100 * share:.0f} %" + (f", {sum(ratios) / len(ratios):.2f}" if ratios else "")
+
+
 def table() -> str:
     lines = [
-        "| task | S | rate | 0.4.0 (own pass) | 0.5.0 (sampled, next update) | updates 0.5.0 / 0.4.0 |",
-        "|---|---|---|---|---|---|",
+        "| task | S | rate | 0.4.0 (own pass) | 0.5.0 (sampled, next update) | updates 0.5.0 / 0.4.0 "
+        "| 0.5.0: updates held, applied / estimated |",
+        "|---|---|---|---|---|---|---|",
     ]
     for task, scales in DECIDING.items():
         idx = {v: results.index(_records(root, task)) for v, root in CELLS.items()}
@@ -51,7 +67,8 @@ def table() -> str:
                     cells.append("—" if rel is None else f"{100 * rel[0]:+.1f} ± {100 * rel[1]:.1f} ({rel[2]} seeds)")
                 its = [results.mean_of(idx[v], task, "guarded", scale, mult, "iterations") for v in CELLS]
                 ratio = "—" if None in its else f"{its[1]:.0f} / {its[0]:.0f} = {its[1] / its[0]:.2f}×"
-                lines.append(f"| {task} | {scale} | ×{mult:g} | {cells[0]} | {cells[1]} | {ratio} |")
+                held = _held(root=CELLS["0.5.0"], task=task, scale=scale, mult=mult)
+                lines.append(f"| {task} | {scale} | ×{mult:g} | {cells[0]} | {cells[1]} | {ratio} | {held} |")
     return "\n".join(lines)
 
 

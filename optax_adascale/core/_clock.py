@@ -271,30 +271,38 @@ def guarded_trace(inner_state: Any) -> Any:
     return states[0].trace if states else None
 
 
-def probe_dots(grads: list[Array], trace: list[Array], params: list[Array] | None, scale: Any = 1.0) -> Array:
+def probe_dots(
+    grads: list[Array], trace: list[Array], params: list[Array] | None, scale: Any = 1.0, strides: Any = None
+) -> Array:
     """Per leaf, ``(ḡ·m, ‖ḡ‖², ḡ·θ, ‖m‖², m·θ, ‖θ‖²)`` on a strided sample of each buffer (the same positions in each,
     :func:`_sample`), scaled to the whole leaf: float32 ``[L, 6]`` (the θ terms 0 without ``params``). ``grads``:
     buffers ``1/scale`` times the averaged gradient (an all-reduce's output, so that the sample is a slice of that
     buffer). The samples of the leaves of one dtype, one varying type (under ``shard_map``) and one power-of-two
     length are stacked, padded with zeros, and reduced together: a variadic reduction per such bucket, not one per
-    leaf. Each device's own pieces: summing
-    over the pieces of a split leaf is the caller's (its statistics' reduction)."""
+    leaf. A leaf read whole (at most :data:`SAMPLE_MIN` elements) is reduced in place, on its own: stacked, it would
+    be copied. ``strides``: per leaf, those of :func:`_strides` (a ``shard_map`` body passes the whole leaves',
+    which its blocks cannot tell). Each device's own pieces: summing over the pieces of a split leaf is the caller's
+    (its statistics' reduction)."""
     if not grads:
         return jnp.zeros((0, 6), jnp.float32)
-    sets, factors = [], []
+    sets, factors, whole = [], [], []
     for i, (g, m) in enumerate(zip(grads, trace, strict=True)):
-        strides = _strides(g)
+        leaf_strides = _strides(g) if strides is None else strides[i]
         buffers = [g, m] if params is None else [g, m, params[i]]
-        sampled = [_sample(x, strides).reshape(-1) for x in buffers]
+        sampled = [_sample(x, leaf_strides).reshape(-1) for x in buffers]
         factors.append(math.prod(g.shape) / sampled[0].shape[0])
         sets.append(sampled)
+        whole.append(leaf_strides is None)
     pairs = [(0, 1), (0, 0), (1, 1)] if params is None else [(0, 1), (0, 0), (0, 2), (1, 1), (1, 2), (2, 2)]
     buckets: dict[Any, list[int]] = {}
+    dots: list[Any] = [None] * len(sets)
     for i, sampled in enumerate(sets):  # padded to the next power of two: at most twice each sample
+        if whole[i]:
+            dots[i] = _norms.gram_dots(sampled, pairs)
+            continue
         width = 1 << max(sampled[0].shape[0] - 1, 0).bit_length()
         key = (_norms.compute_dtype(jnp.result_type(*sampled)), _compat.varying_axes(sampled[0]), width)
         buckets.setdefault(key, []).append(i)
-    dots: list[Any] = [None] * len(sets)
     for (_, _, width), members in buckets.items():
         stacked = [
             jnp.stack([jnp.pad(sets[i][j], (0, width - sets[i][j].shape[0])) for i in members])
@@ -329,8 +337,18 @@ def probe_dots_partitioned(
         context = jax.sharding.get_abstract_mesh()
         if getattr(context, "empty", True) or len(specs) != len(grads):
             return None
+        # The momentum's layout is not in its type here (an Auto mesh's jit of tx.init may replicate it): the samples
+        # are sliced by the partitioner first, so that only they, not the buffers, are laid out as the gradients are.
+        strides = [_strides(g) for g in grads]
+        factors = jnp.asarray(
+            [math.prod(g.shape) / math.prod(_sample(g, st).shape) for g, st in zip(grads, strides, strict=True)],
+            jnp.float32,
+        )
+        sample = lambda xs: [_sample(x, st) for x, st in zip(xs, strides, strict=True)]  # noqa: E731
+        taken = [sample(grads), sample(trace), sample(params) if params is not None else None]
         specs = [*specs, *specs, *(specs if params is not None else [])]
-        return _probe_on_mesh(context, specs, grads, trace, params)
+        rows = _probe_on_mesh(context, specs, *taken, strides=[None] * len(grads))
+        return rows * factors[:, None]
     sharding = [getattr(jax.typeof(x), "sharding", None) for x in [*grads, *trace, *(params or [])]]
     meshes = {getattr(sh, "mesh", None) for sh in sharding}
     if len(meshes) != 1 or any(getattr(sh, "spec", None) is None for sh in sharding):
@@ -341,14 +359,18 @@ def probe_dots_partitioned(
     return _probe_on_mesh(mesh, [sh.spec for sh in sharding if sh is not None], grads, trace, params)
 
 
-def _probe_on_mesh(mesh: Any, specs: list[Any], grads: list[Array], trace: list[Array], params: Any) -> Array:
+def _probe_on_mesh(
+    mesh: Any, specs: list[Any], grads: list[Array], trace: list[Array], params: Any, strides: Any = None
+) -> Array:
     axes = tuple(mesh.axis_names)
     n = len(grads)
+    if strides is None:  # the whole leaves' (they divide each device's block)
+        strides = [_strides(g) for g in grads]
 
     def body(*blocks):
         g, m = list(blocks[:n]), list(blocks[n : 2 * n])
         t = list(blocks[2 * n :]) if params is not None else None
-        rows = probe_dots(g, m, t)
+        rows = probe_dots(g, m, t, strides=strides)
         for i, spec in enumerate(specs[:n]):
             used = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))}
             for a in axes:
