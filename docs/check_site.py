@@ -32,6 +32,7 @@ PAGES = {
     "index": "index.html",
     "getting_started": "getting_started.html",
     "noise_scale": "noise_scale.html",  # display maths
+    "porting": "porting.html",  # a table-heavy guide
     "api": "api.html",
 }
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
