@@ -279,9 +279,10 @@ def probe_dots(
     buffers ``1/scale`` times the averaged gradient (an all-reduce's output, so that the sample is a slice of that
     buffer). The samples of the leaves of one dtype, one varying type (under ``shard_map``) and one power-of-two
     length are stacked, padded with zeros, and reduced together: a variadic reduction per such bucket, not one per
-    leaf. A leaf read whole (at most :data:`SAMPLE_MIN` elements) is reduced in place, on its own: stacked, it would
-    be copied. ``strides``: per leaf, those of :func:`_strides` (a ``shard_map`` body passes the whole leaves',
-    which its blocks cannot tell). Each device's own pieces: summing over the pieces of a split leaf is the caller's
+    leaf (many small leaves: a few reductions). A large leaf read whole (more than :data:`SAMPLE_MIN` elements, none
+    of whose strides divides its blocks) is reduced in place, on its own: stacked, it would be copied. ``strides``:
+    per leaf, those of :func:`_strides` (a ``shard_map`` body passes the whole leaves', which its blocks cannot
+    tell). Each device's own pieces: summing over the pieces of a split leaf is the caller's
     (its statistics' reduction)."""
     if not grads:
         return jnp.zeros((0, 6), jnp.float32)
@@ -297,7 +298,7 @@ def probe_dots(
     buckets: dict[Any, list[int]] = {}
     dots: list[Any] = [None] * len(sets)
     for i, sampled in enumerate(sets):  # padded to the next power of two: at most twice each sample
-        if whole[i]:
+        if whole[i] and sampled[0].shape[0] > SAMPLE_MIN:
             dots[i] = _norms.gram_dots(sampled, pairs)
             continue
         width = 1 << max(sampled[0].shape[0] - 1, 0).bit_length()
