@@ -346,9 +346,9 @@ def probe_dots_partitioned(
             jnp.float32,
         )
         sample = lambda xs: [_sample(x, st) for x, st in zip(xs, strides, strict=True)]  # noqa: E731
-        taken = [sample(grads), sample(trace), sample(params) if params is not None else None]
+        taken_params = sample(params) if params is not None else None
         specs = [*specs, *specs, *(specs if params is not None else [])]
-        rows = _probe_on_mesh(context, specs, *taken, strides=[None] * len(grads))
+        rows = _probe_on_mesh(context, specs, sample(grads), sample(trace), taken_params, strides=[None] * len(grads))
         return rows * factors[:, None]
     sharding = [getattr(jax.typeof(x), "sharding", None) for x in [*grads, *trace, *(params or [])]]
     meshes = {getattr(sh, "mesh", None) for sh in sharding}
