@@ -259,13 +259,16 @@ def _run(h, x0, lr, n, noise, updates, *, nesterov=False, guard=True):
 def test_on_a_quadratic_the_guarded_step_converges_where_the_unguarded_one_diverges(nesterov):
     """Known Hessian ``diag(1, 0.1, 0.01)``, 16 replicas whose noise makes the estimator propose a gain near 15 at lr
     0.05: the τ clock's update is past its stability limit along λ = 1 (r·lr·λ·(1 − β^r)/(1 − β) > 2(1 + β^r)) and
-    diverges; the guard measures λ along its steps and caps the gain where the step lands on the minimum of that
-    curvature: it converges."""
+    does not converge (it swings out until the gradient's size lowers the estimated gain, then grows again: chaotic,
+    so where the 200th iterate lands is chance; over the last 100 updates it keeps leaving |x₀| ≤ 1); the guard
+    measures λ along its steps and caps the gain where the step lands on the minimum of that curvature: it
+    converges."""
     h, x0 = jnp.asarray([1.0, 0.1, 0.01, 0.0]), jnp.asarray([1.0, 1.0, 1.0, 0.0])
     noise = jnp.asarray([0.0, 0.0, 0.0, 30.0])  # on a flat direction: the mean gradient stays h·x
     unguarded, m_off = _run(h, x0, 0.05, 16, noise, 200, nesterov=nesterov, guard=False)
     guarded, m_on = _run(h, x0, 0.05, 16, noise, 200, nesterov=nesterov)
-    assert m_off["gain"].max() > 10 and not np.all(np.abs(unguarded[-1][:3]) < 1.0)  # grown (large, inf or nan)
+    late = np.abs(unguarded[100:, 0])
+    assert m_off["gain"].max() > 10 and not np.all(late < 1.0)  # swings past its start (large, inf or nan)
     assert np.all(np.abs(guarded[-1][:3]) < 5e-2) and abs(guarded[-1][0]) < 1e-3, guarded[-1]  # down from 1
     assert 1.0 <= m_on["gain"][5:].min() and m_on["gain"][5:].max() < 14.0  # once measured: above 1, below unstable
 
