@@ -44,37 +44,19 @@ def _hand_written(explicit: bool):
     return params, loss
 
 
-def _flax_lstm():
+def _flax_rnn(cell: str, seed: int):
+    """Flax Linen's ``nn.RNN`` over ``nn.LSTMCell`` or ``nn.GRUCell`` (by name), a dense head on the last state."""
     from flax import linen as nn
 
     class Model(nn.Module):
         @nn.compact
         def __call__(self, x):
-            h = nn.RNN(nn.LSTMCell(H))(x)
+            h = nn.RNN(getattr(nn, cell)(H))(x)
             return nn.Dense(1)(h[:, -1])
 
     model = Model()
     x, _ = _data()
-    params = model.init(jax.random.key(2), x[:2])["params"]
-
-    def loss(p, x, y):
-        return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
-
-    return params, loss
-
-
-def _flax_gru():
-    from flax import linen as nn
-
-    class Model(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            h = nn.RNN(nn.GRUCell(H))(x)
-            return nn.Dense(1)(h[:, -1])
-
-    model = Model()
-    x, _ = _data()
-    params = model.init(jax.random.key(3), x[:2])["params"]
+    params = model.init(jax.random.key(seed), x[:2])["params"]
 
     def loss(p, x, y):
         return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
@@ -100,7 +82,11 @@ def _NnxModel(*args, **kwargs):  # noqa: N802 - a class built where Flax is impo
     return _nnx_model_class()(*args, **kwargs)
 
 
-MODELS = {"hand_written": lambda: _hand_written(False), "flax_lstm": _flax_lstm, "flax_gru": _flax_gru}
+MODELS = {
+    "hand_written": lambda: _hand_written(False),
+    "flax_lstm": lambda: _flax_rnn("LSTMCell", 2),
+    "flax_gru": lambda: _flax_rnn("GRUCell", 3),
+}
 
 
 def _per_shard_sq_norms(loss, params, x, y, k):
