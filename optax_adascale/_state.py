@@ -110,7 +110,7 @@ def _readable(opt_state: Any) -> AdaScaleState:
         return s
 
     def read(x: Any) -> Any:
-        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.size > 4096:
+        if not isinstance(x, jax.Array) or _compat.is_tracer(x) or x.size > 4096:
             return x
         mesh = getattr(x.sharding, "mesh", None)
         if mesh is not None and getattr(mesh, "abstract_mesh", mesh) == context:

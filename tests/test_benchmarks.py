@@ -174,13 +174,13 @@ def test_gpu_benchmark_smoke_runs_every_case_and_writes_the_report(tmp_path):
     # more bytes than SGD's (the ‖ḡ‖² pass) but not twice as many, besides the stability guard's samples: at most
     # 2·SAMPLE_SIZE elements of each leaf's gradient, momentum and params, stacked (written and read once more),
     # a fixed cost that the smoke's 0.1M parameters feel (0.5 % of the budget) and a real model does not.
-    from optax_adascale.core import _clock
+    from optax_adascale.core import _probe
 
     programs = cases["profile"]["programs"]
     assert programs["adascale"]["top"]
     # (the step's scaling fuses into the inner update, whose state is written in place under adascale/inner)
     assert {"adascale/inner", "adascale/reduce"} <= set(programs["adascale"]["bytes_by_scope"])
-    samples = 3 * 3 * 4 * 2 * _clock.SAMPLE_SIZE * cases["lm"]["leaves"]
+    samples = 3 * 3 * 4 * 2 * _probe.SAMPLE_SIZE * cases["lm"]["leaves"]
     sgd = programs["sgd"]["total_bytes"]
     assert sgd < programs["adascale"]["total_bytes"] < 2 * sgd + samples
 

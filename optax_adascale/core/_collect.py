@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_adascale.core import _axes, _clock, _groups
+from optax_adascale.core import _axes, _groups, _probe
 from optax_adascale.core._norms import STAT_DTYPE, fused_sq_norms, leaf_sq_norm, low_precision
 
 Array = jax.Array
@@ -31,7 +31,7 @@ def statistic_keys(
 
 # --------------------------------------------------------------------------- the reduction
 def _probe_of_sums(sums: list[Array], low: list[bool], guard: "Guard", n: Any) -> Array:
-    """:func:`_clock.probe_dots` of ``ḡ`` read off the all-reduce's output ``sums`` (``ḡ = sums/n``; a 16-bit float
+    """:func:`_probe.probe_dots` of ``ḡ`` read off the all-reduce's output ``sums`` (``ḡ = sums/n``; a 16-bit float
     leaf was divided before the sum), the leaves of each kind in one call (one reduction per dtype)."""
     rows: list[Any] = [None] * len(sums)
     for lows, divisor in ((False, 1 / n), (True, 1.0)):
@@ -39,7 +39,7 @@ def _probe_of_sums(sums: list[Array], low: list[bool], guard: "Guard", n: Any) -
         if not idx:
             continue
         params = None if guard.params is None else [guard.params[i] for i in idx]
-        dots = _clock.probe_dots([sums[i] for i in idx], [guard.trace[i] for i in idx], params, divisor)
+        dots = _probe.probe_dots([sums[i] for i in idx], [guard.trace[i] for i in idx], params, divisor)
         for row, i in enumerate(idx):
             rows[i] = dots[row]
     return jnp.stack(rows)
@@ -84,7 +84,7 @@ def reduce_statistics(
       mean_sq: optional ``‖ḡ‖²`` per leaf taken where the samples were (the GSPMD drop-in): ``b`` comes from
         there, not from ``grads`` (which the user may have clipped or scaled); only without data axes.
       guard: the guarded τ-clock trace's buffers and the params (:class:`Guard`), or ``None``: the guard's probe
-        (``_clock.probe_dots`` on a sample of ``ḡ``, read off the all-reduce's output, and of the buffers) is taken
+        (``_probe.probe_dots`` on a sample of ``ḡ``, read off the all-reduce's output, and of the buffers) is taken
         here, and summed over the model axes in the statistics' own ``psum``.
       specs: the gradients' layout on a mesh with Auto axes (the drop-in's), or ``None``.
 
@@ -107,9 +107,9 @@ def reduce_statistics(
         mean, a = grads, local_sq
         if guard is not None:  # partitioned over an Explicit mesh: per device, one psum; else the compiler's sums
             leaves = jax.tree.leaves(grads)
-            probe = _clock.probe_dots_partitioned(leaves, guard.trace, guard.params, specs)
+            probe = _probe.probe_dots_partitioned(leaves, guard.trace, guard.params, specs)
             if probe is None:
-                probe = _clock.probe_dots(leaves, guard.trace, guard.params)
+                probe = _probe.probe_dots(leaves, guard.trace, guard.params)
         if mean_sq is not None:
             b_leaves = [jnp.asarray(b, STAT_DTYPE) for b in mean_sq]
         else:

@@ -64,7 +64,7 @@ class MicrobatchStats:
         Statistics built by hand are checked the same way when they carry it.
       specs: static; ``None``, or per leaf (in ``jax.tree.leaves`` order) the ``PartitionSpec`` the gradients are
         laid out by on a mesh with Auto axes (the drop-in's ``param_specs``), where their types do not say it: the
-        stability guard takes its statistics on each device's blocks by them (``_clock.probe_dots_partitioned``).
+        stability guard takes its statistics on each device's blocks by them (``_probe.probe_dots_partitioned``).
     """
 
     sq_norms: Any

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_adascale.core import _axes, _clock, _collect, _norms, _samples, _step
+from optax_adascale.core import _axes, _clock, _collect, _norms, _probe, _samples, _step
 from optax_adascale.sharding import _tensor, _zero
 
 
@@ -193,7 +193,7 @@ def _row_step(update: _step.Update, shape: _step.Shape, mean, local_sq, state, p
         a, b = model.psum((a, b))
         probe = None
     else:  # the guard's probe on this replica's rows, summed over the rows in the statistics' own psum
-        local = _clock.probe_dots(jax.tree.leaves(mean), guard.trace, guard.params)
+        local = _probe.probe_dots(jax.tree.leaves(mean), guard.trace, guard.params)
         a, b, probe = lax.psum((local_sq / n, b_local, jnp.stack(model.mask(list(local)))), axis)
         a, b, probe = model.psum((a, b, probe))
     reduced = _step.Reduced(probe, _tensor.sq_norm_fn(jax.tree.structure(mean), model, axis))
