@@ -520,6 +520,8 @@ def _advise_once(s: AdaScaleState, progress: float) -> None:
     """Warn, once each per process, from :data:`ADVICE_AFTER` updates and :data:`ADVICE_SHARE` of the budget on
     (``progress``: τ/T): the batch is well above the noise scale (what S buys); the stability guard holds the gain
     near 1 (a learning rate at the edge of stability at the base batch: a schedule multiplied by S)."""
+    if {"scale", "pinned"} <= _ADVISED:  # both said: no more reads from the device in the loop's done()
+        return
     count = int(np.max(np.asarray(jax.device_get(_value(s.count)))))
     if count < ADVICE_AFTER or progress < ADVICE_SHARE:
         return
